@@ -1,0 +1,154 @@
+"""SamplingParams with vLLM's field names, defaults and validation."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+_SAMPLING_EPS = 1e-5
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters (vLLM semantics).
+
+    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k. ``top_p`` is applied over the
+    top-k set and renormalised (vLLM order: penalties -> temperature -> top-k -> top-p -> min-p).
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    output_kind: int = 0
+    # Filled by the engine: tokenizer EOS ∪ generation_config EOS (not the request's own stop_token_ids).
+    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    _eos_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logprobs is True:  # OpenAI-style boolean
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._verify()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: neutralise the random-sampling knobs like vLLM does.
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+
+    def _verify(self) -> None:
+        def bad(name: str, value: object, why: str) -> ValueError:
+            return ValueError(f"{name} {why}, got {value!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", self.n, "must be an integer >= 1")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        if self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "must be greater than zero")
+        if self.temperature < 0.0:
+            raise bad("temperature", self.temperature, "must be non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "must be 0 or -1 (disable), or at least 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "must be at least 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "must be greater than or equal to 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"must be less than or equal to max_tokens={self.max_tokens}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < -1):
+            raise bad("logprobs", self.logprobs, "must be non-negative (or -1 for the full vocabulary)")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < -1
+        ):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "must be non-negative (or -1)")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "must be an integer")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise bad("stop", self.stop, "must contain only non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
+        if self.allowed_token_ids is not None:
+            if len(self.allowed_token_ids) == 0:
+                raise bad("allowed_token_ids", self.allowed_token_ids, "must not be empty")
+            if any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", self.allowed_token_ids, "must be non-negative integers")
+        if self.best_of is not None and self.best_of < self.n:
+            raise bad("best_of", self.best_of, f"must be >= n={self.n}")
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Check token-id valued fields against the model vocabulary (raises ValueError naming the value)."""
+        for name in ("allowed_token_ids", "stop_token_ids"):
+            ids = getattr(self, name) or []
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} contains out-of-vocabulary token ids {bad} (vocab size {vocab_size}).")
+        if self.logit_bias:
+            bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias contains out-of-vocabulary token ids {bad} (vocab size {vocab_size}).")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        return self._all_stop_token_ids
+
+    def update_from_generation_config(self, eos_token_ids: set[int]) -> None:
+        """Record the model's EOS set (tokenizer EOS ∪ generation_config EOS)."""
+        self._eos_token_ids = set() if self.ignore_eos else set(eos_token_ids)
+        self._all_stop_token_ids = set(self.stop_token_ids) | self._eos_token_ids
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
