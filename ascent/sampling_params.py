@@ -20,7 +20,8 @@ class SamplingParams:
     """Per-request sampling parameters (vLLM semantics).
 
     ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k. ``top_p`` is applied over the
-    top-k set and renormalised (vLLM order: penalties -> temperature -> top-k -> top-p -> min-p).
+    top-k set and renormalised (vLLM v1 order: allowed ids / min_tokens / logit_bias / penalties -> temperature ->
+    min-p -> top-k -> top-p).
     """
 
     n: int = 1

@@ -1,0 +1,153 @@
+"""EngineArgs: the user-facing engine options; CLI flags are generated from the dataclass fields (vLLM names)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from ascent.config import (
+    HARDWARE_PROFILES,
+    LOAD_FORMATS,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: str | int) -> int:
+    """Parse a byte count such as ``1073741824``, ``512M``, ``2GiB`` or ``1.5g``."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(value).lower())
+    if not m:
+        raise ValueError(f"kv_cache_memory_bytes={value!r} is not a byte size (e.g. 536870912, 512M, 2GiB).")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+
+
+def _opt(help: str, choices: tuple[str, ...] | None = None, short: str | None = None, parse: Any = None) -> Any:
+    return {"help": help, "choices": choices, "short": short, "parse": parse}
+
+
+@dataclass
+class EngineArgs:
+    """All engine options. Field names equal vLLM's ``EngineArgs``; each becomes ``--kebab-case-name``."""
+
+    model: str | None = field(default=None, metadata=_opt(
+        "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct GGUF)"))
+    tokenizer: str | None = field(default=None, metadata=_opt("tokenizer directory (default: the model's)"))
+    dtype: str = field(default="auto", metadata=_opt(
+        "weight/activation dtype", ("auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16")))
+    max_model_len: int | None = field(default=None, metadata=_opt("maximum context length (prompt + output)"))
+    seed: int = field(default=0, metadata=_opt("engine random seed"))
+    block_size: int = field(default=16, metadata=_opt("KV cache block size in tokens"))
+    enable_prefix_caching: bool = field(default=True, metadata=_opt("reuse KV blocks of identical prefixes"))
+    kv_cache_memory_bytes: int | None = field(default=None, metadata=_opt(
+        "bytes for the KV cache (accepts 512M, 2GiB); default 25% of available memory", parse=parse_size))
+    num_gpu_blocks_override: int | None = field(default=None, metadata=_opt("exact number of KV blocks"))
+    max_num_seqs: int = field(default=256, metadata=_opt("maximum concurrently running sequences"))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_opt("token budget of one engine step"))
+    enable_chunked_prefill: bool = field(default=True, metadata=_opt("split long prefills across steps"))
+    long_prefill_token_threshold: int = field(default=0, metadata=_opt("cap on one request's chunk (0 = off)"))
+    scheduling_policy: str = field(default="fcfs", metadata=_opt("admission order", SCHEDULING_POLICIES))
+    tensor_parallel_size: int = field(default=1, metadata=_opt("tensor parallel size", short="-tp"))
+    load_format: str = field(default="auto", metadata=_opt("weight loader", LOAD_FORMATS))
+    hardware_profile: str = field(default="auto", metadata=_opt("hardware family profile", HARDWARE_PROFILES))
+    num_threads: int | None = field(default=None, metadata=_opt("torch intra-op threads (default: torch's)"))
+    enforce_eager: bool = field(default=True, metadata=_opt("run eagerly (no graph capture / compile)"))
+    disable_log_stats: bool = field(default=False, metadata=_opt("disable the periodic stats log line"))
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+        """Add one ``--flag`` per field (booleans get ``--flag/--no-flag``)."""
+        group = parser.add_argument_group("engine")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            meta = f.metadata
+            names = ["--" + f.name.replace("_", "-")] + ([meta["short"]] if meta.get("short") else [])
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta.get("help")}
+            typ = _base_type(hints[f.name])
+            if typ is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = meta.get("parse") or typ
+                if meta.get("choices"):
+                    kwargs["choices"] = meta["choices"]
+            group.add_argument(*names, **kwargs)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_memory_bytes is not None:
+            self.kv_cache_memory_bytes = parse_size(self.kv_cache_memory_bytes)
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve the model files and build a validated EngineConfig (reads config metadata, not weights)."""
+        from ascent.default_model import resolve_model_path
+        from ascent.loader.model_info import derive_max_model_len, get_model_dtype, load_hf_config
+
+        device_config = DeviceConfig(hardware_profile=self.hardware_profile, num_threads=self.num_threads)
+        model_path = resolve_model_path(self.model)
+        hf_config = load_hf_config(model_path)
+        model_config = ModelConfig(
+            model=model_path,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            max_model_len=derive_max_model_len(hf_config, self.max_model_len),
+            seed=self.seed,
+            hf_config=hf_config,
+            torch_dtype=get_model_dtype(hf_config, self.dtype, device_config.device.type),
+        )
+        _check_int("seed", self.seed, 0)
+        config = EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                scheduling_policy=self.scheduling_policy,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            load_config=LoadConfig(load_format=self.load_format),
+            device_config=device_config,
+            disable_log_stats=self.disable_log_stats,
+        )
+        config.finalize()
+        return config
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid: must be an integer >= {minimum}.")
+
+
+def _base_type(hint: Any) -> type:
+    """``int | None`` -> int, ``str`` -> str."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0]
+    return hint

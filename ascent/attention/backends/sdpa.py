@@ -1,0 +1,275 @@
+"""Paged attention on ``torch.nn.functional.scaled_dot_product_attention`` (portable: CPU and CUDA).
+
+KV cache per layer: one tensor ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (K then V), in the model
+dtype. Each step:
+- this step's K/V rows are written into their slots (rows with slot -1 are skipped);
+- decode requests (query length 1) run in ONE SDPA call: their K/V are gathered from the cache through the block
+  table, padded to the longest context with a key-padding mask; the query heads sharing a KV head are laid out as
+  the query-length axis so GQA needs no K/V repetition;
+- prefill requests (query length > 1) run one SDPA call each: with no cached prefix, ``is_causal=True`` on the fresh
+  K/V; otherwise over the full context gathered from the cache with a bottom-right aligned causal mask (query i
+  sees keys ``0 .. num_computed + i``). Covers prefix-cache hits, chunked prefill and speculative verification.
+Gather indices and masks are built once per step by the metadata builder and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ascent.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+
+
+@dataclass
+class SDPAPrefill:
+    """One multi-token request: token rows ``start:end`` at positions ``num_computed .. seq_len-1``.
+
+    ``context_slots`` (int64 ``[seq_len]``) and ``mask`` (bool ``[end-start, seq_len]``) are set only when a cached
+    prefix exists (``num_computed > 0``); otherwise the fresh K/V are attended with ``is_causal``.
+    """
+
+    start: int
+    end: int
+    num_computed: int
+    seq_len: int
+    context_slots: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass
+class SDPAMetadata:
+    """Per-step SDPA metadata.
+
+    write_slots: int64 slots for the K/V rows ``write_rows`` (None = rows ``0..len(write_slots)-1``).
+    decode_rows: int64 token rows of the decode requests (None = contiguous rows ``decode_start:+num_decodes``).
+    decode_slots: int64 ``[num_decodes, decode_max_len]`` cache slots per context position (padding repeats a
+    valid slot); decode_mask: bool ``[num_decodes, 1, 1, decode_max_len]`` (None = no padding);
+    decode_seq_lens: int64 ``[num_decodes]`` on device.
+    """
+
+    num_actual_tokens: int
+    write_slots: torch.Tensor
+    write_rows: torch.Tensor | None
+    num_decodes: int
+    decode_rows: torch.Tensor | None
+    decode_start: int
+    decode_slots: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    decode_seq_lens: torch.Tensor | None
+    prefills: list[SDPAPrefill]
+    _window_masks: dict[int, tuple[torch.Tensor | None, list[torch.Tensor]]] = field(default_factory=dict)
+
+    def window_masks(self, window: int) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """Decode and per-prefill masks restricted to a sliding window of ``window`` keys (cached per window)."""
+        if window not in self._window_masks:
+            device = self.write_slots.device
+            prefill = [_prefill_mask(p, window, device) for p in self.prefills]
+            self._window_masks[window] = (self._decode_window_mask(window), prefill)
+        return self._window_masks[window]
+
+    def _decode_window_mask(self, window: int) -> torch.Tensor | None:
+        if self.decode_slots is None or self.decode_seq_lens is None:
+            return None
+        pos = torch.arange(self.decode_slots.shape[1], device=self.decode_slots.device)
+        last = self.decode_seq_lens.unsqueeze(1) - 1
+        return ((pos <= last) & (pos > last - window)).view(self.num_decodes, 1, 1, -1)
+
+
+def _prefill_mask(p: SDPAPrefill, window: int | None, device: torch.device) -> torch.Tensor:
+    """bool ``[q_len, seq_len]``: query i (position num_computed + i) sees key j iff j <= pos (and pos - j < window)."""
+    q_pos = torch.arange(p.num_computed, p.seq_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(p.seq_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    return mask & (k_pos > q_pos - window) if window is not None else mask
+
+
+def _context_slots(block_rows: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """int64 ``[R, length]`` cache slots of positions ``0..length-1`` for block-table rows ``[R, max_blocks]``."""
+    num_blocks = -(-length // block_size)
+    if num_blocks > block_rows.shape[1]:
+        raise ValueError(f"context of {length} tokens needs {num_blocks} blocks; block table has {block_rows.shape[1]}")
+    blocks = block_rows[:, :num_blocks].to(torch.int64).repeat_interleave(block_size, dim=1)[:, :length]
+    offsets = torch.arange(length, device=block_rows.device) % block_size
+    return blocks * block_size + offsets
+
+
+class SDPAMetadataBuilder(AttentionMetadataBuilder):
+    """Builds ``SDPAMetadata`` from host-side lengths (no device synchronization except the -1 slot check)."""
+
+    def build(self, common: CommonAttentionMetadata) -> SDPAMetadata:
+        qsl = common.query_start_loc_np[: common.num_reqs + 1].astype(np.int64)
+        seq_lens = common.seq_lens_np[: common.num_reqs].astype(np.int64)
+        computed = common.num_computed_tokens_np[: common.num_reqs].astype(np.int64)
+        query_lens = np.diff(qsl)
+        if np.any(computed + query_lens != seq_lens):
+            raise ValueError(f"seq_lens {seq_lens.tolist()} != num_computed {computed.tolist()} + query lens "
+                             f"{query_lens.tolist()}")
+        write_slots, write_rows = self._write_plan(common.slot_mapping)
+        decode_idx = np.flatnonzero(query_lens == 1)
+        md = SDPAMetadata(common.num_actual_tokens, write_slots, write_rows, len(decode_idx), None, 0, None, None,
+                          None, [])
+        if len(decode_idx):
+            self._plan_decodes(md, common, decode_idx, qsl, seq_lens)
+        for i in np.flatnonzero(query_lens > 1):
+            md.prefills.append(self._plan_prefill(common, int(i), qsl, seq_lens, computed))
+        return md
+
+    @staticmethod
+    def _write_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        valid = slot_mapping >= 0
+        if bool(valid.all()):
+            return slot_mapping.to(torch.int64), None
+        rows = valid.nonzero().squeeze(1)
+        return slot_mapping.index_select(0, rows).to(torch.int64), rows
+
+    @staticmethod
+    def _plan_decodes(md: SDPAMetadata, common: CommonAttentionMetadata, decode_idx: np.ndarray, qsl: np.ndarray,
+                      seq_lens: np.ndarray) -> None:
+        device = common.block_table.device
+        rows = qsl[decode_idx]
+        if rows[-1] - rows[0] + 1 == len(rows) and np.all(np.diff(rows) == 1):
+            md.decode_start = int(rows[0])
+        else:
+            md.decode_rows = torch.from_numpy(rows).to(device)
+        lens = seq_lens[decode_idx]
+        max_len = int(lens.max())
+        table = common.block_table.index_select(0, torch.from_numpy(decode_idx).to(device))
+        slots = _context_slots(table, common.block_size, max_len)
+        md.decode_seq_lens = torch.from_numpy(lens).to(device)
+        if int(lens.min()) < max_len:
+            mask = torch.arange(max_len, device=device).unsqueeze(0) < md.decode_seq_lens.unsqueeze(1)
+            slots = torch.where(mask, slots, slots[:, :1])
+            md.decode_mask = mask.view(len(decode_idx), 1, 1, max_len)
+        md.decode_slots = slots
+
+    @staticmethod
+    def _plan_prefill(common: CommonAttentionMetadata, i: int, qsl: np.ndarray, seq_lens: np.ndarray,
+                      computed: np.ndarray) -> SDPAPrefill:
+        p = SDPAPrefill(int(qsl[i]), int(qsl[i + 1]), int(computed[i]), int(seq_lens[i]), None, None)
+        if p.num_computed > 0:
+            p.context_slots = _context_slots(common.block_table[i : i + 1], common.block_size, p.seq_len)[0]
+            p.mask = _prefill_mask(p, None, common.block_table.device)
+        return p
+
+
+class SDPAImpl(AttentionImpl):
+    """See the module docstring; optional ``sliding_window`` (keys with ``pos - key < window``) is honoured."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: SDPAMetadata | None,
+    ) -> torch.Tensor:
+        """q ``[T, nh*d]``, k/v ``[T, nkv*d]`` (any float dtype) -> ``[T, nh*d]`` in q's dtype.
+
+        ``attn_metadata=None`` (dummy/profiling forward): all T rows form one causal sequence, no cache access.
+        """
+        num_tokens = q.shape[0]
+        if attn_metadata is None:
+            return self._attend_fresh(q, k, v, None)
+        if kv_cache.numel() == 0:
+            raise RuntimeError("attention layer has no KV cache allocated but attention metadata was given")
+        k_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
+        v_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
+        self._write(k, v, k_cache, v_cache, attn_metadata)
+        out = q.new_empty(num_tokens, self.num_heads * self.head_size)
+        decode_mask, prefill_masks = attn_metadata.decode_mask, [p.mask for p in attn_metadata.prefills]
+        if self.sliding_window is not None:
+            decode_mask, prefill_masks = attn_metadata.window_masks(self.sliding_window)
+        if attn_metadata.num_decodes:
+            self._decode(q, k_cache, v_cache, attn_metadata, decode_mask, out)
+        for p, mask in zip(attn_metadata.prefills, prefill_masks):
+            if p.context_slots is None and mask is None:
+                out[p.start : p.end] = self._attend_fresh(q[p.start : p.end], k[p.start : p.end], v[p.start : p.end])
+            elif p.context_slots is None:
+                out[p.start : p.end] = self._attend_fresh(q[p.start : p.end], k[p.start : p.end],
+                                                          v[p.start : p.end], mask)
+            else:
+                out[p.start : p.end] = self._attend_cached(q[p.start : p.end], k_cache, v_cache, p, mask)
+        if num_tokens > attn_metadata.num_actual_tokens:
+            out[attn_metadata.num_actual_tokens :].zero_()
+        return out
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               md: SDPAMetadata) -> None:
+        k = k.view(-1, self.num_kv_heads, self.head_size)
+        v = v.view(-1, self.num_kv_heads, self.head_size)
+        if md.write_rows is not None:
+            k, v = k.index_select(0, md.write_rows), v.index_select(0, md.write_rows)
+        elif k.shape[0] != md.write_slots.shape[0]:
+            k, v = k[: md.write_slots.shape[0]], v[: md.write_slots.shape[0]]
+        k_cache.index_copy_(0, md.write_slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, md.write_slots, v.to(v_cache.dtype))
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: SDPAMetadata,
+                mask: torch.Tensor | None, out: torch.Tensor) -> None:
+        n, group = md.num_decodes, self.num_heads // self.num_kv_heads
+        assert md.decode_slots is not None
+        qd = q.index_select(0, md.decode_rows) if md.decode_rows is not None else q[md.decode_start : md.decode_start + n]
+        qd = qd.reshape(n, self.num_kv_heads, group, self.head_size)
+        flat = md.decode_slots.view(-1)
+        shape = (n, md.decode_slots.shape[1], self.num_kv_heads, self.head_size)
+        kd = k_cache.index_select(0, flat).view(shape).transpose(1, 2).to(q.dtype)
+        vd = v_cache.index_select(0, flat).view(shape).transpose(1, 2).to(q.dtype)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)
+        o = o.reshape(n, self.num_heads * self.head_size)
+        if md.decode_rows is not None:
+            out.index_copy_(0, md.decode_rows, o)
+        else:
+            out[md.decode_start : md.decode_start + n] = o
+
+    def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """``[L, num_heads*d]`` -> ``[1, num_heads, L, d]`` (4-D: the CPU kernels are faster than for 3-D)."""
+        return x.reshape(1, x.shape[0], num_heads, self.head_size).transpose(1, 2)
+
+    def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of rows that form one whole sequence (no cached prefix)."""
+        if mask is None and self.sliding_window is not None:
+            n = q.shape[0]
+            mask = _prefill_mask(SDPAPrefill(0, n, 0, n, None, None), self.sliding_window, q.device)
+        o = F.scaled_dot_product_attention(
+            self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads), self._heads(v, self.num_kv_heads),
+            attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o[0].transpose(0, 1).reshape(q.shape[0], self.num_heads * self.head_size)
+
+    def _attend_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: SDPAPrefill,
+                       mask: torch.Tensor | None) -> torch.Tensor:
+        assert p.context_slots is not None
+        kc = k_cache.index_select(0, p.context_slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        vc = v_cache.index_select(0, p.context_slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            self._heads(q, self.num_heads), kc, vc, attn_mask=mask, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o[0].transpose(0, 1).reshape(q.shape[0], self.num_heads * self.head_size)
+
+
+class SDPABackend(AttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "SDPA"
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_builder_cls() -> type[SDPAMetadataBuilder]:
+        return SDPAMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type[SDPAImpl]:
+        return SDPAImpl

@@ -1,0 +1,126 @@
+"""B2 latency (gpt-fast protocol): a fixed batch of short prompts, greedy decode of ``output_len`` tokens, timed per
+iteration; reports vLLM's latency keys, decode tok/s, the achieved weight bandwidth (W x steps/s, gpt-fast's metric)
+against the measured GEMV bandwidth, and the HF peer on the same weights, dtype, batch and thread count.
+
+Prefix caching is off so every iteration pays its prefill, as the HF peer does.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+
+from ascent.benchmarks.common import Timer, collect_env, dtype_name, percentiles, pin_threads, safe_ratio, write_json
+from ascent.benchmarks.datasets import sample_requests
+from ascent.benchmarks.hf_peer import load_peer_model, peer_latencies
+from ascent.benchmarks.roofline import calibrate, roofline_report
+from ascent.benchmarks.throughput import build_llm, engine_generate, prompt_vocab_size, roofline_sizes
+
+
+def _validate(args: argparse.Namespace) -> None:
+    for name in ("batch_size", "input_len", "output_len", "num_iters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name}={getattr(args, name)!r} must be at least 1")
+    if args.num_iters_warmup < 0:
+        raise ValueError(f"num_iters_warmup={args.num_iters_warmup!r} must be >= 0")
+
+
+def latency_metrics(latencies: list[float], batch_size: int, output_len: int,
+                    weight_bytes: int | None) -> dict[str, Any]:
+    """vLLM latency keys plus decode tok/s and the achieved weight bandwidth (one weight read per step)."""
+    avg = float(np.mean(latencies))
+    steps_per_second = output_len / avg
+    return {
+        "avg_latency": avg,
+        "latencies": [float(x) for x in latencies],
+        "percentiles": percentiles(latencies),
+        "decode_tokens_per_second": batch_size * steps_per_second,
+        "achieved_weight_bandwidth_gbps": weight_bytes * steps_per_second / 1e9 if weight_bytes else None,
+    }
+
+
+def engine_latencies(llm: Any, requests: list, num_iters: int, num_iters_warmup: int) -> list[float]:
+    """Wall times (s) of ``num_iters`` greedy generates of the whole batch after the warmup iterations."""
+    for _ in range(num_iters_warmup):
+        engine_generate(llm, requests, 0.0)
+    latencies = []
+    for _ in range(num_iters):
+        with Timer() as timer:
+            engine_generate(llm, requests, 0.0)
+        latencies.append(timer.elapsed)
+    return latencies
+
+
+def run_latency(args: argparse.Namespace) -> dict[str, Any]:
+    """Run B2; returns the result dict (also written to ``--output-json`` and summarised on stdout)."""
+    _validate(args)
+    threads = pin_threads(args.num_threads)
+    llm = build_llm(args, args.input_len + args.output_len, enable_prefix_caching=False)
+    mc = llm.llm_engine.config.model_config
+    calibration = calibrate(mc.torch_dtype, roofline_sizes(args))
+    requests = sample_requests(args.batch_size, (args.input_len, args.input_len), (args.output_len, args.output_len),
+                               prompt_vocab_size(llm), args.seed)
+    report = roofline_report(mc.hf_config, mc.torch_dtype, calibration, args.batch_size,
+                             args.input_len + args.output_len / 2.0)
+    weight_bytes = report["ceilings"]["weight_bytes_per_step"] if report["ceilings"] else None
+    ours = latency_metrics(engine_latencies(llm, requests, args.num_iters, args.num_iters_warmup),
+                           args.batch_size, args.output_len, weight_bytes)
+    peer = None
+    if not args.no_peer:
+        pin_threads(threads)
+        peer_model = load_peer_model(mc.model, mc.torch_dtype)
+        prompts = [r.prompt_token_ids for r in requests]
+        peer = latency_metrics(peer_latencies(peer_model, prompts, args.output_len, args.num_iters,
+                                              args.num_iters_warmup), args.batch_size, args.output_len, weight_bytes)
+        del peer_model
+    gemv = calibration["gemv_gbps"]
+    result: dict[str, Any] = {
+        **ours,
+        "benchmark": "latency",
+        "model": mc.model,
+        "dtype": dtype_name(mc.torch_dtype),
+        "config": {"batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
+                   "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup, "temperature": 0.0,
+                   "ignore_eos": True, "enable_prefix_caching": False, "seed": args.seed, "num_threads": threads},
+        "weight_bytes_per_step": weight_bytes,
+        "fraction_of_bandwidth_roofline": safe_ratio(ours["achieved_weight_bandwidth_gbps"], gemv),
+        "peer": peer,
+        "ratio_vs_peer": safe_ratio(ours["decode_tokens_per_second"],
+                                    peer["decode_tokens_per_second"] if peer else None),
+        "roofline": report,
+        "startup": dict(getattr(llm.llm_engine, "timings", {}) or {}),
+        "env": collect_env(mc.torch_dtype, threads),
+    }
+    if peer:
+        peer["fraction_of_bandwidth_roofline"] = safe_ratio(peer["achieved_weight_bandwidth_gbps"], gemv)
+    if args.output_json:
+        write_json(args.output_json, result)
+    print(format_summary(result))
+    return result
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "n/a" if value is None or not np.isfinite(value) else format(value, spec)
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    """Human-readable summary of a latency result."""
+    cfg, peer, pct = result["config"], result["peer"], result["percentiles"]
+    lines = [
+        f"latency  model={result['model']}  dtype={result['dtype']}  threads={cfg['num_threads']}  "
+        f"batch={cfg['batch_size']}  input={cfg['input_len']}  output={cfg['output_len']}",
+        f"  ascent: avg {_fmt(result['avg_latency'], '.4f')} s  p50 {_fmt(pct['50'], '.4f')} s  "
+        f"p99 {_fmt(pct['99'], '.4f')} s  {_fmt(result['decode_tokens_per_second'])} tok/s  "
+        f"{_fmt(result['achieved_weight_bandwidth_gbps'])} GB/s = "
+        f"{_fmt(result['fraction_of_bandwidth_roofline'], '.3f')} of GEMV bandwidth "
+        f"{_fmt(result['roofline']['calibration']['gemv_gbps'])} GB/s",
+    ]
+    if peer:
+        lines.append(f"  HF peer: avg {_fmt(peer['avg_latency'], '.4f')} s  {_fmt(peer['decode_tokens_per_second'])}"
+                     f" tok/s  ratio ascent/HF = {_fmt(result['ratio_vs_peer'])}")
+    if result["env"]["load_warning"]:
+        lines.append(f"  WARNING: 1-minute load {result['env']['loadavg'][0]:.2f} exceeds half the cores; "
+                     "timings are unreliable")
+    return "\n".join(lines)

@@ -1,0 +1,197 @@
+"""B0 roofline: calibrate the box (stream / GEMV bandwidth, GEMM FLOP/s) and derive decode ceilings for a model.
+
+Method (specs/anchors_style_perf.md §2.3): one decode step of batch B at mean context c moves at least
+W + B * KV(c) bytes, with W = (non-embedding params + lm_head params) * bytes/param (a tied lm_head is read in full
+every step), and costs about B * (2 * P + 4 * L * q_heads * head_dim * c) FLOPs. Hence
+single-stream tok/s <= BW / W and aggregate tok/s <= B / max(bytes / BW, FLOPs / F).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ascent.benchmarks.common import best_time, dtype_name, parse_torch_dtype
+
+MIB = 1 << 20
+GIB = 1 << 30
+GEMV_COLS = 4096
+DENSE_DECODERS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class RooflineSizes:
+    """Calibration sizes; the defaults follow B0 (stream 1 GiB, GEMV 256 MiB, GEMM 512x2048x2048)."""
+
+    stream_bytes: int = GIB
+    gemv_bytes: int = 256 * MIB
+    gemm_m: int = 512
+    gemm_n: int = 2048
+    gemm_k: int = 2048
+    repeats: int = 5
+
+    def __post_init__(self) -> None:
+        for name in ("stream_bytes", "gemv_bytes", "gemm_m", "gemm_n", "gemm_k", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be positive")
+
+
+def measure_stream_read_gbps(nbytes: int, repeats: int = 5) -> float:
+    """Streaming-read bandwidth (GB/s) of a torch fp32 sum over ``nbytes`` (uses the pinned torch threads)."""
+    data = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    seconds = best_time(lambda: data.sum(), repeats)
+    return data.numel() * 4 / seconds / 1e9
+
+
+def measure_numpy_stream_read_gbps(nbytes: int, repeats: int = 5) -> float:
+    """STREAM-style baseline: streaming-read bandwidth (GB/s) of a numpy fp32 sum over ``nbytes``."""
+    data = np.ones(max(nbytes // 4, 1), dtype=np.float32)
+    seconds = best_time(lambda: np.add.reduce(data), repeats)
+    return data.size * 4 / seconds / 1e9
+
+
+def measure_gemv_gbps(weight_bytes: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Bandwidth (GB/s) of ``linear(x[1, K], W[N, K])`` with a ``weight_bytes`` weight in ``dtype``."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    rows = weight_bytes // (elem * GEMV_COLS)
+    if rows < 1:
+        raise ValueError(f"gemv weight_bytes={weight_bytes!r} is below one {GEMV_COLS}-wide row of {dtype}")
+    weight = torch.randn(rows, GEMV_COLS).to(dtype)
+    x = torch.randn(1, GEMV_COLS).to(dtype)
+    with torch.inference_mode():
+        seconds = best_time(lambda: F.linear(x, weight), repeats)
+    return weight.numel() * elem / seconds / 1e9
+
+
+def measure_gemm_gflops(m: int, n: int, k: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    """GFLOP/s of ``linear(x[m, k], W[n, k])`` in ``dtype`` (2*m*n*k FLOPs)."""
+    weight = torch.randn(n, k).to(dtype)
+    x = torch.randn(m, k).to(dtype)
+    with torch.inference_mode():
+        seconds = best_time(lambda: F.linear(x, weight), repeats)
+    return 2.0 * m * n * k / seconds / 1e9
+
+
+def calibrate(dtype: torch.dtype | str, sizes: RooflineSizes | None = None) -> dict[str, Any]:
+    """Run the B0 calibration in the serving ``dtype``; returns GB/s and GFLOP/s figures plus the sizes used."""
+    dtype = parse_torch_dtype(dtype)
+    sizes = sizes or RooflineSizes()
+    return {
+        "dtype": dtype_name(dtype),
+        "num_threads": torch.get_num_threads(),
+        "stream_read_gbps": measure_stream_read_gbps(sizes.stream_bytes, sizes.repeats),
+        "stream_read_numpy_gbps": measure_numpy_stream_read_gbps(sizes.stream_bytes, sizes.repeats),
+        "gemv_gbps": measure_gemv_gbps(sizes.gemv_bytes, dtype, sizes.repeats),
+        "gemm_gflops": measure_gemm_gflops(sizes.gemm_m, sizes.gemm_n, sizes.gemm_k, dtype, sizes.repeats),
+        "sizes": asdict(sizes),
+    }
+
+
+def _cfg_int(cfg: Any, name: str, default: int | None = None) -> int:
+    value = getattr(cfg, name, None)
+    if value is None:
+        if default is None:
+            raise ValueError(f"model config has no {name!r}")
+        return default
+    return int(value)
+
+
+def _dims(cfg: Any) -> tuple[int, int, int, int, int, int, int]:
+    hidden = _cfg_int(cfg, "hidden_size")
+    q_heads = _cfg_int(cfg, "num_attention_heads")
+    kv_heads = _cfg_int(cfg, "num_key_value_heads", q_heads)
+    head_dim = _cfg_int(cfg, "head_dim", hidden // q_heads)
+    return (hidden, q_heads, kv_heads, head_dim, _cfg_int(cfg, "intermediate_size"),
+            _cfg_int(cfg, "num_hidden_layers"), _cfg_int(cfg, "vocab_size"))
+
+
+def _layer_params(cfg: Any, model_type: str) -> int:
+    hidden, q_heads, kv_heads, head_dim, inter, _, _ = _dims(cfg)
+    q_out, kv_out = q_heads * head_dim, kv_heads * head_dim
+    attn = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
+    qkv_bias = model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+    o_bias = model_type != "qwen2" and bool(getattr(cfg, "attention_bias", False))
+    attn += (q_out + 2 * kv_out) * qkv_bias + hidden * o_bias
+    mlp = 3 * hidden * inter + (2 * inter + hidden) * bool(getattr(cfg, "mlp_bias", False))
+    norms = 2 * hidden + (2 * head_dim if model_type == "qwen3" else 0)
+    return attn + mlp + norms
+
+
+def weight_params_per_step(hf_config: Any) -> int:
+    """Parameters read by one decode step: non-embedding params + lm_head params (tied or not), by formula."""
+    model_type = str(getattr(hf_config, "model_type", ""))
+    if model_type not in DENSE_DECODERS:
+        raise ValueError(f"model_type={model_type!r} has no weight-bytes formula; supported: {DENSE_DECODERS}")
+    hidden, _, _, _, _, layers, vocab = _dims(hf_config)
+    return layers * _layer_params(hf_config, model_type) + hidden + vocab * hidden
+
+
+def weight_bytes_per_step(hf_config: Any, dtype: torch.dtype | str) -> int:
+    """Bytes of weights read by one decode step in ``dtype`` (W in the roofline)."""
+    elem = torch.empty((), dtype=parse_torch_dtype(dtype)).element_size()
+    return weight_params_per_step(hf_config) * elem
+
+
+def kv_bytes_per_token(hf_config: Any, dtype: torch.dtype | str) -> int:
+    """KV-cache bytes per token: 2 * layers * kv_heads * head_dim * bytes/elem."""
+    _, _, kv_heads, head_dim, _, layers, _ = _dims(hf_config)
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=parse_torch_dtype(dtype)).element_size()
+
+
+def flops_per_token(hf_config: Any, context: float = 0.0) -> float:
+    """FLOPs to process one token at ``context`` earlier tokens: 2 * P + 4 * L * q_heads * head_dim * context."""
+    _, q_heads, _, head_dim, _, layers, _ = _dims(hf_config)
+    return 2.0 * weight_params_per_step(hf_config) + 4.0 * layers * q_heads * head_dim * max(context, 0.0)
+
+
+def decode_roofline(hf_config: Any, dtype: torch.dtype | str, bandwidth_gbps: float, gflops: float,
+                    batch_size: int = 1, mean_context: float = 0.0) -> dict[str, float]:
+    """Decode ceilings (tok/s): batch-1 bandwidth ceiling BW / W, and at batch B the bandwidth, compute and
+    combined ceilings (the latter = B / max(bytes / BW, FLOPs / F))."""
+    if bandwidth_gbps <= 0 or gflops <= 0:
+        raise ValueError(f"bandwidth_gbps={bandwidth_gbps!r} and gflops={gflops!r} must be positive")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be at least 1")
+    weight_bytes = weight_bytes_per_step(hf_config, dtype)
+    step_bytes = weight_bytes + batch_size * kv_bytes_per_token(hf_config, dtype) * max(mean_context, 0.0)
+    step_flops = batch_size * flops_per_token(hf_config, mean_context)
+    bw, peak = bandwidth_gbps * 1e9, gflops * 1e9
+    return {
+        "batch_size": batch_size,
+        "mean_context": float(mean_context),
+        "weight_bytes_per_step": weight_bytes,
+        "bytes_per_step": step_bytes,
+        "flops_per_step": step_flops,
+        "batch1_bandwidth_ceiling_tok_s": bw / weight_bytes,
+        "bandwidth_ceiling_tok_s": batch_size * bw / step_bytes,
+        "compute_ceiling_tok_s": batch_size * peak / step_flops,
+        "ceiling_tok_s": batch_size / max(step_bytes / bw, step_flops / peak),
+    }
+
+
+def roofline_report(hf_config: Any, dtype: torch.dtype | str, calibration: dict[str, Any], batch_size: int,
+                    mean_context: float) -> dict[str, Any]:
+    """Calibration plus the model's ceilings (against GEMV bandwidth and GEMM FLOP/s); ``error`` names why
+    the ceilings are missing for a model without a formula."""
+    report: dict[str, Any] = {"calibration": calibration, "ceilings": None, "error": None}
+    try:
+        report["ceilings"] = decode_roofline(hf_config, dtype, calibration["gemv_gbps"], calibration["gemm_gflops"],
+                                             batch_size, mean_context)
+    except ValueError as exc:
+        report["error"] = str(exc)
+    return report
+
+
+def generation_flops(hf_config: Any, input_len: int, output_len: int) -> float:
+    """FLOPs to prefill ``input_len`` tokens and decode ``output_len`` (the last sampled token is never fed back):
+    2 * P per processed token plus attention over every earlier token."""
+    if input_len < 1 or output_len < 1:
+        raise ValueError(f"input_len={input_len!r} and output_len={output_len!r} must be at least 1")
+    _, q_heads, _, head_dim, _, layers, _ = _dims(hf_config)
+    processed = input_len + output_len - 1
+    pairs = processed * (processed - 1) / 2.0
+    return 2.0 * weight_params_per_step(hf_config) * processed + 4.0 * layers * q_heads * head_dim * pairs

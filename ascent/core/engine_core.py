@@ -1,0 +1,70 @@
+"""Engine core: owns the scheduler, the KV cache manager and the worker; one ``step()`` = schedule, execute, update."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ascent.config import EngineConfig
+from ascent.core.kv_cache.hashing import make_block_hasher
+from ascent.core.kv_cache.manager import KVCacheManager
+from ascent.core.request import Request, RequestStatus
+from ascent.core.scheduler import Scheduler, SchedulerStats
+from ascent.core.sched_output import EngineCoreOutput
+from ascent.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        cc, mc = config.cache_config, config.model_config
+        self.worker = Worker(config)
+        self.worker.load_model()
+        num_blocks = self.worker.determine_num_blocks()
+        self.worker.initialize_kv_cache(num_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=num_blocks,
+            block_size=cc.block_size,
+            max_model_len=mc.max_model_len,
+            enable_caching=cc.enable_prefix_caching,
+        )
+        self.block_hasher = make_block_hasher(cc.block_size) if cc.enable_prefix_caching else None
+        self.scheduler = Scheduler(config.scheduler_config, cc, mc.max_model_len, self.kv_cache_manager)
+        self.timings = dict(self.worker.timings)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache_manager.num_blocks
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params, arrival_time: float | None = None,
+                     priority: int = 0) -> Request:
+        return Request(request_id, prompt_token_ids, params, arrival_time=arrival_time, priority=priority,
+                       block_hasher=self.block_hasher)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.worker.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()

@@ -1,0 +1,126 @@
+"""LLMEngine: tokenize and validate -> engine core -> output processor (detokenize, stop strings, n > 1)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+from ascent.args import EngineArgs
+from ascent.config import EngineConfig
+from ascent.core.engine_core import EngineCore
+from ascent.core.output_processor import OutputProcessor
+from ascent.core.parallel_sampling import ParentRequest
+from ascent.metrics.loggers import LoggingStatLogger
+from ascent.outputs import RequestOutput
+from ascent.sampling_params import SamplingParams
+from ascent.tokenizer import get_tokenizer
+from ascent.loader.model_info import get_eos_token_ids
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
+        self.config = config
+        mc = config.model_config
+        self.tokenizer = get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
+        mc.eos_token_ids = get_eos_token_ids(mc.model, self.tokenizer)
+        self.engine_core = EngineCore(config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_logger = None if config.disable_log_stats else LoggingStatLogger()
+        self._request_counter = itertools.count()
+        self.timings = {"engine_init_s": time.perf_counter() - start, **self.engine_core.timings}
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+        return cls(engine_args.create_engine_config())
+
+    # ------------------------------------------------------------------------------------------------ input
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Return (prompt text or None, token ids). Accepts a string, ``{"prompt": ...}`` or
+        ``{"prompt_token_ids": [...]}``, or a list of token ids."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"prompt={prompt!r} must contain 'prompt' or 'prompt_token_ids'.")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt={prompt!r} must be a string, a list of token ids or a dict.")
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        mc = self.config.model_config
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty: at least one prompt token is required.")
+        if n >= mc.max_model_len:
+            raise ValueError(
+                f"prompt length {n} is too long: it must be shorter than max_model_len={mc.max_model_len} "
+                "to leave room for at least one output token.")
+        bad = [t for t in prompt_token_ids if not 0 <= t < mc.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids contain out-of-vocabulary ids {bad[:8]} (vocab size {mc.vocab_size}).")
+        params.verify_vocab(mc.vocab_size)
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> str:
+        """Validate and enqueue a request (fanned out to n children when ``params.n > 1``); returns its id."""
+        request_id = str(next(self._request_counter)) if request_id is None else request_id
+        params = (params or SamplingParams()).clone()
+        prompt_text, prompt_ids = self.tokenize_prompt(prompt)
+        self._validate(prompt_ids, params)
+        params.update_from_generation_config(self.config.model_config.eos_token_ids)
+        if params.max_tokens is None:
+            params.max_tokens = self.config.model_config.max_model_len - len(prompt_ids)
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        if params.n == 1:
+            self._add_core_request(request_id, prompt_text, prompt_ids, params, arrival_time, priority, None, 0)
+            return request_id
+        parent = ParentRequest(request_id, params)
+        for index in range(params.n):
+            child_id, child_params = parent.get_child_info(index)
+            self._add_core_request(child_id, prompt_text, prompt_ids, child_params, arrival_time, priority, parent,
+                                   index)
+        return request_id
+
+    def _add_core_request(self, req_id, prompt_text, prompt_ids, params, arrival_time, priority, parent, index):
+        self.output_processor.add_request(req_id, prompt_text, prompt_ids, params, arrival_time=arrival_time,
+                                          parent=parent, index=index)
+        request = self.engine_core.make_request(req_id, prompt_ids, params, arrival_time, priority)
+        self.engine_core.add_request(request)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        core_ids = self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(core_ids)
+
+    # ------------------------------------------------------------------------------------------------ loop
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.step()
+        result = self.output_processor.process_outputs(outputs)
+        if result.reqs_to_abort:
+            self.engine_core.abort_requests(result.reqs_to_abort)
+        if self.stat_logger is not None:
+            stats = self.engine_core.make_stats()
+            gen = sum(len(o.new_token_ids) for o in outputs)
+            self.stat_logger.record(stats, 0, gen)
+        return result.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests() or self.engine_core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()

@@ -1,0 +1,113 @@
+"""The offline ``LLM`` class with vLLM's shapes: ``LLM(model=..., **engine_args).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from ascent.args import EngineArgs
+from ascent.core.llm_engine import LLMEngine, PromptType
+from ascent.outputs import RequestOutput, RequestOutputKind
+from ascent.sampling_params import SamplingParams
+from ascent.tokenizer import apply_chat_template
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Offline batched inference.
+
+    ``LLM(model=None)`` loads the bundled SmolLM2-135M-Instruct; any ``EngineArgs`` field is accepted as a keyword.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        import dataclasses
+
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; valid ones: {sorted(known)}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions; returns one RequestOutput per prompt, in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._expand_params(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries but there are {len(prompts)} prompts.")
+        return self._run(prompts, params, priority, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | list[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            apply_chat_template(self.get_tokenizer(), conv, add_generation_prompt=add_generation_prompt,
+                                chat_template=chat_template, **(chat_template_kwargs or {}))
+            for conv in conversations
+        ]
+        tok = self.get_tokenizer()
+        token_prompts = [{"prompt": p, "prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts]
+        return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _expand_params(sampling_params, num: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(num)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != num:
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {num} prompts.")
+        return sampling_params
+
+    def _run(self, prompts, params, priority, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                p = p.clone()
+                p.output_kind = RequestOutputKind.FINAL_ONLY
+                ids.append(engine.add_request(None, prompt, p, priority=priority[i] if priority else 0))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()

@@ -1,0 +1,22 @@
+"""Gated activations."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """``x [..., 2d]`` -> ``silu(x[..., :d]) * x[..., d:]`` of shape ``[..., d]``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+def get_act_and_mul(hidden_act: str) -> nn.Module:
+    """The gated activation for a config's ``hidden_act``; raises ValueError for unsupported names."""
+    if hidden_act in ("silu", "swish"):
+        return SiluAndMul()
+    raise ValueError(f"unsupported hidden_act {hidden_act!r} (supported: 'silu')")

@@ -1,0 +1,119 @@
+"""Vocab-parallel token embedding and LM head.
+
+With tensor parallelism the vocab is padded to a multiple of ``padding_size * tp`` and rank r owns rows
+``[r * V_pad/tp, (r+1) * V_pad/tp)``; padding rows are zero and padded logits are dropped. With tp = 1 nothing is
+padded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ascent.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from ascent.layers.linear import set_weight_attrs
+
+DEFAULT_VOCAB_PADDING_SIZE = 64
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``input_ids int64 [T]`` -> ``[T, embedding_dim]`` in the parameter dtype."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        params_dtype: torch.dtype | None = None,
+        padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.org_vocab_size = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.prefix = prefix
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        multiple = padding_size * self.tp_size if self.tp_size > 1 else 1
+        self.num_embeddings_padded = -(-num_embeddings // multiple) * multiple
+        self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype),
+                                   requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader, "output_dim": 0})
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        """Copy this rank's vocab rows of the full ``[vocab, dim]`` checkpoint tensor; zero the padding rows."""
+        if shard_id is not None:
+            raise ValueError(f"{self.prefix}: embedding takes no shard id, got {shard_id!r}")
+        if tuple(loaded_weight.shape) != (self.org_vocab_size, self.embedding_dim):
+            raise ValueError(
+                f"{self.prefix}: checkpoint shape {tuple(loaded_weight.shape)} != "
+                f"({self.org_vocab_size}, {self.embedding_dim})"
+            )
+        end = min(self.vocab_end_index, self.org_vocab_size)
+        rows = max(end - self.vocab_start_index, 0)
+        param.data[:rows].copy_(loaded_weight[self.vocab_start_index : self.vocab_start_index + rows])
+        param.data[rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_shard = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index) * in_shard
+        out = F.embedding(local_ids, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
+        return tensor_model_parallel_all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.org_vocab_size}, padded={self.num_embeddings_padded}, dim={self.embedding_dim}"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection sharing the embedding's layout; ``forward(hidden [N, dim]) -> logits fp32 [N, vocab]``."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, params_dtype, padding_size, prefix)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.num_embeddings_per_partition, dtype=self.weight.dtype),
+                                     requires_grad=False)
+            set_weight_attrs(self.bias, {"weight_loader": self._bias_loader, "output_dim": 0})
+        else:
+            self.register_parameter("bias", None)
+
+    def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is not None or tuple(loaded_weight.shape) != (self.org_vocab_size,):
+            raise ValueError(f"{self.prefix}: bad lm_head bias shape {tuple(loaded_weight.shape)} / shard {shard_id!r}")
+        end = min(self.vocab_end_index, self.org_vocab_size)
+        rows = max(end - self.vocab_start_index, 0)
+        param.data[:rows].copy_(loaded_weight[self.vocab_start_index : self.vocab_start_index + rows])
+        param.data[rows:].zero_()
+
+    def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> "ParallelLMHead":
+        """Share the embedding's weight parameter (tied word embeddings); returns self."""
+        if embed_tokens.weight.shape != self.weight.shape:
+            raise ValueError(f"cannot tie lm_head {tuple(self.weight.shape)} to {tuple(embed_tokens.weight.shape)}")
+        self.weight = embed_tokens.weight
+        return self
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, self.weight, self.bias)
+        if self.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        if logits.shape[-1] != self.org_vocab_size:
+            logits = logits[..., : self.org_vocab_size]
+        return logits.float()

@@ -1,0 +1,107 @@
+"""Model loaders, selected by ``--load-format``.
+
+``get_model(model_path, hf_config, dtype, device, load_format)`` builds the model class named by
+``hf_config.architectures`` on ``device``, fills its weights with the chosen loader, checks that every parameter was
+loaded, runs the quantization methods' post-load hooks and returns the model in eval mode.
+Built-in formats: ``auto`` (``.gguf`` file -> GGUF, directory -> safetensors), ``safetensors``, ``gguf``, ``dummy``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ascent.models.registry import get_model_class
+
+_LOADERS: dict[str, type["ModelLoader"]] = {}
+
+
+class ModelLoader(ABC):
+    """Builds a model and fills its weights from one source format."""
+
+    load_format: str = ""
+
+    @abstractmethod
+    def load_model(self, model_path: str, hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """A fully loaded model in eval mode, parameters on ``device`` in ``dtype``."""
+
+
+class WeightsIteratorLoader(ModelLoader):
+    """A loader defined by an iterator over ``(HF checkpoint name, tensor)``; the model casts and shards them."""
+
+    @abstractmethod
+    def iterate_weights(self, model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield every checkpoint tensor (lazily)."""
+
+    def load_model(self, model_path: str, hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        model = build_model(hf_config, dtype, device)
+        loaded = model.load_weights(self.iterate_weights(model_path))
+        check_all_loaded(model, loaded, model_path)
+        return finalize_model(model)
+
+
+def register_loader(name: str) -> Callable[[type[ModelLoader]], type[ModelLoader]]:
+    """Class decorator registering a ``ModelLoader`` under ``--load-format name``."""
+
+    def wrap(cls: type[ModelLoader]) -> type[ModelLoader]:
+        if name in _LOADERS and _LOADERS[name] is not cls:
+            raise ValueError(f"load format {name!r} is already registered by {_LOADERS[name].__name__}")
+        cls.load_format = name
+        _LOADERS[name] = cls
+        return cls
+
+    return wrap
+
+
+def _register_builtin_loaders() -> None:
+    import ascent.loader.dummy  # noqa: F401
+    import ascent.loader.hf  # noqa: F401
+
+
+def available_load_formats() -> list[str]:
+    _register_builtin_loaders()
+    return sorted(_LOADERS)
+
+
+def get_model_loader(load_format: str) -> ModelLoader:
+    """A loader instance for ``load_format``; ValueError naming an unknown format."""
+    _register_builtin_loaders()
+    if load_format not in _LOADERS:
+        raise ValueError(f"unknown load format {load_format!r} (available: {', '.join(sorted(_LOADERS))})")
+    return _LOADERS[load_format]()
+
+
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str,
+                quant_config: Any | None = None) -> nn.Module:
+    """Instantiate ``hf_config.architectures``'s class with uninitialized parameters on ``device``."""
+    cls = get_model_class(list(getattr(hf_config, "architectures", None) or []))
+    kwargs = {"quant_config": quant_config} if quant_config is not None else {}
+    with torch.device(device):
+        return cls(hf_config, dtype=dtype, **kwargs)
+
+
+def check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
+    """ValueError listing the parameters the checkpoint did not provide."""
+    missing = sorted(set(dict(model.named_parameters())) - set(loaded))
+    if missing:
+        shown = ", ".join(missing[:10]) + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")
+        raise ValueError(f"checkpoint {source!r} is missing weights for: {shown}")
+
+
+def finalize_model(model: nn.Module) -> nn.Module:
+    """Run every quant method's ``process_weights_after_loading`` and switch to eval mode."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+    return model.eval()
+
+
+def get_model(model_path: str, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
+              load_format: str = "auto") -> nn.Module:
+    """Build and load the model at ``model_path`` (see the module docstring)."""
+    return get_model_loader(load_format).load_model(model_path, hf_config, dtype, torch.device(device))

@@ -1,0 +1,224 @@
+"""Shared decoder blocks for Llama-style dense models (Llama, Qwen3, Mistral-like variants).
+
+A model is ``DecoderForCausalLM`` plus a few class attributes (e.g. ``qk_norm`` for Qwen3). Layers are
+tensor-parallel aware; projections are fused (QKV, gate/up) and the residual add is fused into the norms.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ascent.attention.layer import Attention
+from ascent.layers.activation import get_act_and_mul
+from ascent.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from ascent.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from ascent.layers.norm import RMSNorm
+from ascent.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
+
+logger = logging.getLogger(__name__)
+
+SKIPPED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def join_prefix(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def build_rope(config: Any, dtype: torch.dtype) -> RotaryEmbedding:
+    """The model's RoPE (shared by all layers) from ``config.rope_parameters`` / legacy rope fields."""
+    params = rope_parameters_from_config(config)
+    head_dim = head_dim_of(config)
+    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    return get_rope(head_dim, rotary_dim, config.max_position_embeddings, params, True, dtype)
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate/up fused in one column-parallel matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, dtype: torch.dtype,
+                 quant_config: Any | None = None, prefix: str = "") -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
+                                                       params_dtype=dtype, quant_config=quant_config,
+                                                       prefix=join_prefix(prefix, "gate_up_proj"))
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, params_dtype=dtype,
+                                           quant_config=quant_config, prefix=join_prefix(prefix, "down_proj"))
+        self.act_fn = get_act_and_mul(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class RopeSelfAttention(nn.Module):
+    """Fused-QKV self-attention with RoPE; ``qk_norm`` adds per-head RMSNorm on q and k before RoPE (Qwen3)."""
+
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, dtype: torch.dtype, qk_norm: bool = False,
+                 sliding_window: int | None = None, quant_config: Any | None = None, prefix: str = "") -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        total_heads, total_kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+        total_kv = total_kv or total_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv, bias=bias,
+                                          params_dtype=dtype, quant_config=quant_config,
+                                          prefix=join_prefix(prefix, "qkv_proj"))
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=bias, params_dtype=dtype,
+                                        quant_config=quant_config, prefix=join_prefix(prefix, "o_proj"))
+        self.rotary_emb = rotary_emb
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads,
+                              prefix=join_prefix(prefix, "attn"), sliding_window=sliding_window)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            num_tokens = q.shape[0]
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)).view(num_tokens, self.q_size)
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)).view(num_tokens, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+    """The sliding window of layer ``layer_idx`` per ``config.layer_types`` (None = full attention)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and layer_types[layer_idx] == "sliding_attention":
+        return getattr(config, "sliding_window", None)
+    return None
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))`` with the residual carried separately."""
+
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int, dtype: torch.dtype,
+                 qk_norm: bool = False, quant_config: Any | None = None, prefix: str = "") -> None:
+        super().__init__()
+        self.self_attn = RopeSelfAttention(config, rotary_emb, dtype, qk_norm, layer_sliding_window(config, layer_idx),
+                                           quant_config, join_prefix(prefix, "self_attn"))
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
+                            bool(getattr(config, "mlp_bias", False)), dtype, quant_config, join_prefix(prefix, "mlp"))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding -> decoder layers -> final norm. ``forward(input_ids int64 [T], positions int64 [T]) -> [T, H]``."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, qk_norm: bool = False, quant_config: Any | None = None,
+                 prefix: str = "") -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype,
+                                                   prefix=join_prefix(prefix, "embed_tokens"))
+        self.rotary_emb = build_rope(config, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.rotary_emb, i, dtype, qk_norm, quant_config, join_prefix(prefix, f"layers.{i}"))
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class DecoderForCausalLM(nn.Module):
+    """A Llama-style causal LM. Subclasses set ``qk_norm`` and may extend ``packed_modules_mapping``.
+
+    ``forward(input_ids int64 [T], positions int64 [T]) -> hidden [T, hidden_size]`` (model dtype);
+    ``compute_logits(hidden [N, hidden_size]) -> float32 [N, vocab_size]``;
+    ``load_weights(iterable of (HF checkpoint name, tensor)) -> set of fully loaded parameter names``.
+    """
+
+    qk_norm: ClassVar[bool] = False
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, prefix: str = "", quant_config: Any | None = None) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.dtype = dtype
+        self.model = DecoderModel(hf_config, dtype, self.qk_norm, quant_config, join_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype,
+                                      prefix=join_prefix(prefix, "lm_head"))
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def _stacked_mapping(self) -> list[tuple[str, str, Any]]:
+        mapping = []
+        for fused, parts in self.packed_modules_mapping.items():
+            shard_ids: list[Any] = ["q", "k", "v"] if fused == "qkv_proj" else list(range(len(parts)))
+            mapping.extend((fused, part, sid) for part, sid in zip(parts, shard_ids))
+        return mapping
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors (cast to the parameter dtype). A packed parameter counts as loaded once all of its
+        shards arrived. Rotary caches are skipped, so is ``lm_head.*`` when embeddings are tied; unknown names are
+        logged and skipped."""
+        params = dict(self.named_parameters())
+        stacked = self._stacked_mapping()
+        shards_needed = {fused: len(parts) for fused, parts in self.packed_modules_mapping.items()}
+        seen_shards: dict[str, set[Any]] = {}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(SKIPPED_CHECKPOINT_SUFFIXES) or (self.tie_word_embeddings and name.startswith("lm_head.")):
+                continue
+            for fused, part, shard_id in stacked:
+                if f".{part}." in name:
+                    target = name.replace(f".{part}.", f".{fused}.")
+                    if target in params:
+                        params[target].weight_loader(params[target], tensor, shard_id)
+                        seen_shards.setdefault(target, set()).add(shard_id)
+                        if len(seen_shards[target]) == shards_needed[fused]:
+                            loaded.add(target)
+                        break
+            else:
+                param = params.get(name)
+                if param is None:
+                    logger.warning("skipping checkpoint tensor %s: no matching parameter", name)
+                    continue
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(name)
+        return loaded

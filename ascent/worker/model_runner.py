@@ -1,0 +1,211 @@
+"""Model runner: applies the scheduler's diff to the persistent batch, prepares inputs with numpy, runs the model,
+computes logits only at sampled positions and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ascent.attention.backend import CommonAttentionMetadata
+from ascent.attention.layer import Attention
+from ascent.config import EngineConfig
+from ascent.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from ascent.forward_context import set_forward_context
+from ascent.loader.base import get_model
+from ascent.sample.logprobs import compute_logprobs_tensors
+from ascent.sample.metadata import SamplingMetadata
+from ascent.sample.sampler import Sampler
+from ascent.worker.input_batch import InputBatch
+
+
+@dataclass
+class PreparedInputs:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    common: CommonAttentionMetadata
+    rows: np.ndarray  # int64 [B] persistent-batch rows of the scheduled requests, in batch order
+    req_ids: list[str]
+    query_start_loc: np.ndarray  # int32 [B+1]
+    positions_np: np.ndarray  # int64 [T]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.device = config.device_config.device
+        self.dtype = self.model_config.torch_dtype
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = self.model_config.max_model_len
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        generator = torch.Generator(device=self.device).manual_seed(self.model_config.seed)
+        self.sampler = Sampler(rng_placement="device", generator=generator)
+        self.input_batch = InputBatch(
+            max_num_reqs=config.scheduler_config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            device=self.device,
+            vocab_size=self.model_config.vocab_size,
+        )
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def load_model(self) -> None:
+        mc = self.model_config
+        self.model = get_model(mc.model, mc.hf_config, self.dtype, self.device, self.config.load_config.load_format)
+        self._attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if not self._attn_layers:
+            raise ValueError(f"model {mc.model!r} has no attention layers")
+        self._metadata_builder = self._attn_layers[0].backend.get_builder_cls()()
+
+    def attention_layers(self) -> list[Attention]:
+        return self._attn_layers
+
+    def kv_cache_bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return sum(
+            2 * self.block_size * layer.num_kv_heads * layer.head_size * elem for layer in self.attention_layers()
+        )
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate one cache tensor per attention layer and bind it to the layer."""
+        self.kv_caches = []
+        for layer in self.attention_layers():
+            shape = layer.backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # ------------------------------------------------------------------------------------------------ state diff
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            batch.remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            seed = new.sampling_params.seed
+            gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+            batch.add_request(new, gen)
+        cached = so.scheduled_cached_reqs
+        for req_id, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            batch.update_request(req_id, blocks, computed)
+
+    # ------------------------------------------------------------------------------------------------ inputs
+    def _prepare_inputs(self, so: SchedulerOutput) -> PreparedInputs:
+        batch = self.input_batch
+        rows = np.fromiter((batch.req_id_to_index[r] for r in so.num_scheduled_tokens), dtype=np.int64)
+        order = np.argsort(rows, kind="stable")
+        rows = rows[order]
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int32)[order]
+        req_ids = [batch.req_ids[r] for r in rows]
+        num_reqs = len(rows)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(num_sched, out=qsl[1:])
+        total = int(qsl[-1])
+        req_idx = np.repeat(np.arange(num_reqs), num_sched)
+        computed = batch.num_computed_tokens[rows]
+        positions = (computed[req_idx] + np.arange(total) - qsl[req_idx]).astype(np.int64)
+        token_rows = rows[req_idx]
+        input_ids = batch.token_ids[token_rows, positions]
+        slot_mapping = batch.block_table.compute_slot_mapping(token_rows, positions)
+        seq_lens = (computed + num_sched).astype(np.int32)
+        block_table = batch.block_table.get_device_tensor(batch.num_reqs)
+        if num_reqs != batch.num_reqs or not np.array_equal(rows, np.arange(num_reqs)):
+            block_table = block_table[torch.from_numpy(rows).to(self.device)]
+        dev = self.device
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            num_computed_tokens=torch.from_numpy(computed.astype(np.int32)).to(dev),
+            block_table=block_table,
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc_np=qsl,
+            seq_lens_np=seq_lens,
+            num_computed_tokens_np=computed.astype(np.int32),
+            num_reqs=num_reqs,
+            num_actual_tokens=total,
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=self.block_size,
+        )
+        return PreparedInputs(
+            input_ids=torch.from_numpy(input_ids).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            common=common,
+            rows=rows,
+            req_ids=req_ids,
+            query_start_loc=qsl,
+            positions_np=positions,
+        )
+
+    # ------------------------------------------------------------------------------------------------ execute
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        assert self.model is not None
+        inp = self._prepare_inputs(so)
+        attn_metadata = self._metadata_builder.build(inp.common)
+        with set_forward_context(attn_metadata):
+            hidden = self.model(inp.input_ids, inp.positions)
+        # Only requests whose known tokens are all computed sample; a partial prefill chunk does not (its logits
+        # are never computed and its generator does not advance).
+        sampling = np.nonzero(inp.common.seq_lens_np >= self.input_batch.num_tokens[inp.rows])[0]
+        output = ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in inp.req_ids])
+        if len(sampling):
+            last_idx = torch.from_numpy(inp.query_start_loc[sampling + 1].astype(np.int64) - 1).to(self.device)
+            logits = self.model.compute_logits(hidden[last_idx])
+            self._sample(inp, sampling, logits, output)
+        self._prompt_logprobs(inp, hidden, output)
+        return output
+
+    def _sample(self, inp: PreparedInputs, sampling: np.ndarray, logits: torch.Tensor,
+                output: ModelRunnerOutput) -> None:
+        batch = self.input_batch
+        states = [batch.states[inp.req_ids[i]] for i in sampling]
+        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        metadata = SamplingMetadata.from_requests(
+            [s.sampling_params for s in states],
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            generators,
+            self.model_config.vocab_size,
+            self.device,
+        )
+        out = self.sampler(logits, metadata)
+        tokens = out.sampled_token_ids.view(-1).tolist()
+        entries = out.logprobs_tensors.to_entries() if out.logprobs_tensors is not None else None
+        for j, i in enumerate(sampling):
+            batch.append_token(int(inp.rows[i]), tokens[j])
+            output.sampled_token_ids[i] = [tokens[j]]
+            num = states[j].sampling_params.logprobs
+            if entries is not None and num is not None:
+                output.logprobs[inp.req_ids[i]] = [_trim_entry(entries[j], num)]
+
+    def _prompt_logprobs(self, inp: PreparedInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        """Logprobs of prompt token p+1 given positions <= p, for the prompt positions computed this step."""
+        batch = self.input_batch
+        for i, req_id in enumerate(inp.req_ids):
+            state = batch.states[req_id]
+            num = state.sampling_params.prompt_logprobs
+            if num is None:
+                continue
+            start = int(inp.query_start_loc[i])
+            first_pos = int(inp.positions_np[start])
+            last_pos = min(int(inp.common.seq_lens_np[i]), state.num_prompt_tokens - 1)
+            if last_pos <= first_pos:
+                continue
+            rows = torch.arange(start, start + last_pos - first_pos, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            targets = torch.tensor(state.prompt_token_ids[first_pos + 1 : last_pos + 1], device=self.device)
+            tensors = compute_logprobs_tensors(logits, targets, num)
+            output.prompt_logprobs[req_id] = tensors.to_entries()
+
+
+def _trim_entry(entry: LogprobsEntry, num_logprobs: int) -> LogprobsEntry:
+    """Keep the sampled token plus this request's own top-``num_logprobs`` (the batch computed the max over rows)."""
+    if num_logprobs < 0:
+        return entry
+    return LogprobsEntry(entry.token_ids[: 1 + num_logprobs], entry.logprobs[: 1 + num_logprobs], entry.rank)

@@ -1,0 +1,67 @@
+"""Worker: device setup, model loading, and sizing the KV cache from the memory budget."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ascent.config import DEFAULT_KV_CACHE_FRACTION, EngineConfig, available_memory_bytes
+from ascent.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from ascent.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.device_config.num_threads is not None:
+            torch.set_num_threads(config.device_config.num_threads)
+        torch.manual_seed(config.model_config.seed)
+        self.model_runner = ModelRunner(config)
+        self.timings: dict[str, float] = {}
+
+    def load_model(self) -> None:
+        start = time.perf_counter()
+        self.model_runner.load_model()
+        self.timings["load_weights_s"] = time.perf_counter() - start
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks from ``--kv-cache-memory-bytes`` (default: a fraction of available memory), capped at what
+        ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use. Block 0 is the null block."""
+        cc, mc, sc = self.config.cache_config, self.config.model_config, self.config.scheduler_config
+        per_block = self.model_runner.kv_cache_bytes_per_block()
+        blocks_per_seq = -(-mc.max_model_len // cc.block_size)
+        useful = sc.max_num_seqs * blocks_per_seq + 1
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+            num_blocks = budget // per_block
+        else:
+            budget = int(available_memory_bytes(self.config.device_config.device) * DEFAULT_KV_CACHE_FRACTION)
+            num_blocks = min(budget // per_block, useful)
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} holds fewer than 2 KV blocks of {per_block} bytes "
+                f"(block_size={cc.block_size}); raise it.")
+        if num_blocks - 1 < blocks_per_seq:
+            logger.warning("KV cache (%d blocks) cannot hold one max_model_len=%d sequence; long requests will be "
+                           "preempted or rejected.", num_blocks - 1, mc.max_model_len)
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        start = time.perf_counter()
+        self.model_runner.initialize_kv_cache(num_blocks)
+        self.timings["kv_alloc_s"] = time.perf_counter() - start
+        mc, cc = self.config.model_config, self.config.cache_config
+        tokens = (num_blocks - 1) * cc.block_size
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at max_model_len=%d: %.2fx",
+            num_blocks, cc.block_size, tokens, num_blocks * self.model_runner.kv_cache_bytes_per_block() / 2**20,
+            mc.max_model_len, tokens / mc.max_model_len)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)

@@ -1,0 +1,151 @@
+"""Smoke runs of ``ascent bench throughput`` / ``latency`` at tiny size (JSON schema and sanity, never timing
+thresholds) and the roofline weight-bytes formula against transformers' parameter counts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from ascent.benchmarks.cli import register_bench_parser
+from ascent.benchmarks.common import collect_env, percentiles, write_json
+from ascent.benchmarks.datasets import parse_len_range, sample_requests
+from ascent.benchmarks.roofline import decode_roofline, weight_bytes_per_step, weight_params_per_step
+
+TINY_ROOFLINE = ["--roofline-stream-mib", "4", "--roofline-gemv-mib", "1", "--roofline-gemm-shape", "16,128,128",
+                 "--roofline-repeats", "2"]
+THROUGHPUT_KEYS = ("elapsed_time", "num_requests", "total_num_tokens", "requests_per_second", "tokens_per_second",
+                   "output_tokens_per_second")
+ENV_KEYS = ("torch_version", "num_threads", "dtype", "cpu_model", "loadavg", "load_warning")
+CALIBRATION_KEYS = ("stream_read_gbps", "stream_read_numpy_gbps", "gemv_gbps", "gemm_gflops")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ascent")
+    register_bench_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _check_env_and_roofline(data: dict) -> None:
+    assert all(k in data["env"] for k in ENV_KEYS)
+    assert isinstance(data["env"]["load_warning"], bool) and len(data["env"]["loadavg"]) == 3
+    calibration = data["roofline"]["calibration"]
+    assert all(_positive(calibration[k]) for k in CALIBRATION_KEYS)
+    ceilings = data["roofline"]["ceilings"]
+    assert data["roofline"]["error"] is None
+    assert all(_positive(ceilings[k]) for k in ("batch1_bandwidth_ceiling_tok_s", "compute_ceiling_tok_s",
+                                                "ceiling_tok_s", "weight_bytes_per_step"))
+
+
+def test_throughput_smoke(tiny_llama_dir: str, tmp_path) -> None:
+    out = tmp_path / "throughput.json"
+    args = _parse(["bench", "throughput", "--model", tiny_llama_dir, "--num-prompts", "4",
+                   "--random-input-len-range", "4,12", "--random-output-len-range", "3,8", "--num-threads", "1",
+                   "--peer-batch-size", "2", "--max-num-seqs", "4", "--output-json", str(out), *TINY_ROOFLINE])
+    returned = args.func(args)
+    data = json.loads(out.read_text())
+    assert data["num_requests"] == returned["num_requests"] == 4
+    requested = data["requested"]
+    expected_total = requested["total_input_tokens"] + requested["total_output_tokens"]
+    for result in (data, data["peer"]):
+        assert all(_positive(result[k]) for k in THROUGHPUT_KEYS)
+        assert result["total_num_tokens"] == expected_total
+        assert result["total_output_tokens"] == requested["total_output_tokens"]
+        assert result["tokens_per_second"] == pytest.approx(result["total_num_tokens"] / result["elapsed_time"])
+    assert 4 * 3 <= requested["total_output_tokens"] <= 4 * 8
+    assert data["ratio_vs_peer"] == pytest.approx(
+        data["output_tokens_per_second"] / data["peer"]["output_tokens_per_second"])
+    assert _positive(data["roofline"]["achieved_fraction_of_compute_roofline"])
+    assert data["roofline"]["ceilings"]["batch_size"] == 4
+    assert data["env"]["num_threads"] == 1 and data["dtype"] == "bfloat16"
+    _check_env_and_roofline(data)
+
+
+def test_latency_smoke(tiny_llama_dir: str, tmp_path) -> None:
+    out = tmp_path / "latency.json"
+    args = _parse(["bench", "latency", "--model", tiny_llama_dir, "--batch-size", "2", "--input-len", "8",
+                   "--output-len", "8", "--num-iters", "2", "--num-iters-warmup", "1", "--num-threads", "1",
+                   "--output-json", str(out), *TINY_ROOFLINE])
+    args.func(args)
+    data = json.loads(out.read_text())
+    for result in (data, data["peer"]):
+        assert len(result["latencies"]) == 2 and all(_positive(x) for x in result["latencies"])
+        assert result["avg_latency"] == pytest.approx(sum(result["latencies"]) / 2)
+        assert sorted(result["percentiles"]) == sorted(["10", "25", "50", "75", "90", "99"])
+        assert result["decode_tokens_per_second"] == pytest.approx(2 * 8 / result["avg_latency"])
+        assert _positive(result["achieved_weight_bandwidth_gbps"])
+    assert data["achieved_weight_bandwidth_gbps"] == pytest.approx(
+        data["weight_bytes_per_step"] * 8 / data["avg_latency"] / 1e9)
+    assert data["fraction_of_bandwidth_roofline"] == pytest.approx(
+        data["achieved_weight_bandwidth_gbps"] / data["roofline"]["calibration"]["gemv_gbps"])
+    assert data["ratio_vs_peer"] == pytest.approx(
+        data["decode_tokens_per_second"] / data["peer"]["decode_tokens_per_second"])
+    _check_env_and_roofline(data)
+
+
+def _tiny_config(kind: str, tied: bool):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[kind]
+    return cls(vocab_size=320, hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_bytes_formula_matches_transformers(kind: str, tied: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    config = _tiny_config(kind, tied)
+    model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    expected = total - embedding + (embedding if tied else 0)
+    assert weight_params_per_step(config) == expected
+    assert weight_bytes_per_step(config, torch.bfloat16) == 2 * expected
+    assert weight_bytes_per_step(config, "float32") == 4 * expected
+
+
+def test_decode_roofline_ceilings() -> None:
+    config = _tiny_config("llama", True)
+    w = weight_bytes_per_step(config, "bfloat16")
+    one = decode_roofline(config, "bfloat16", bandwidth_gbps=10.0, gflops=100.0)
+    assert one["batch1_bandwidth_ceiling_tok_s"] == pytest.approx(10e9 / w)
+    big = decode_roofline(config, "bfloat16", bandwidth_gbps=10.0, gflops=100.0, batch_size=64, mean_context=32)
+    assert big["ceiling_tok_s"] == pytest.approx(min(big["bandwidth_ceiling_tok_s"], big["compute_ceiling_tok_s"]))
+    assert big["bandwidth_ceiling_tok_s"] > one["bandwidth_ceiling_tok_s"]
+    with pytest.raises(ValueError, match="batch_size=0"):
+        decode_roofline(config, "bfloat16", 10.0, 100.0, batch_size=0)
+
+
+def test_datasets_and_common(tmp_path) -> None:
+    first = sample_requests(6, (2, 5), (1, 3), vocab_size=50, seed=3)
+    assert first == sample_requests(6, (2, 5), (1, 3), vocab_size=50, seed=3)
+    assert all(2 <= r.input_len <= 5 and 1 <= r.output_len <= 3 for r in first)
+    assert all(0 <= t < 50 for r in first for t in r.prompt_token_ids)
+    assert parse_len_range("16,256") == (16, 256)
+    with pytest.raises(ValueError, match="'9,3'"):
+        parse_len_range("9,3")
+    pct = percentiles([1.0, 2.0, 3.0, 4.0])
+    assert pct["50"] == pytest.approx(2.5) and list(pct) == ["10", "25", "50", "75", "90", "99"]
+    path = write_json(tmp_path / "sub" / "env.json", {"env": collect_env(torch.bfloat16, 1), "x": float("nan")})
+    data = json.loads(path.read_text())
+    assert data["x"] is None and data["env"]["dtype"] == "bfloat16" and data["env"]["num_threads"] == 1
+
+
+def test_cli_defaults_follow_vllm_names() -> None:
+    args = _parse(["bench", "throughput"])
+    assert (args.model, args.dtype, args.num_prompts, args.peer_batch_size, args.temperature) == (
+        None, "bfloat16", 64, 16, 0.6)
+    assert args.input_len is None and args.random_input_len_range is None and callable(args.func)
+    args = _parse(["bench", "latency"])
+    latency_defaults = (args.batch_size, args.input_len, args.output_len, args.num_iters, args.num_iters_warmup)
+    assert latency_defaults == (1, 8, 128, 3, 1)
+    assert callable(args.func) and args.no_peer is False

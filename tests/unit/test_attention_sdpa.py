@@ -1,0 +1,140 @@
+"""SDPA paged attention vs a float64 recomputation over contiguous K/V.
+
+Random block tables, requests in random order mixing decodes, fresh prefills and prefills on a cached prefix, GQA,
+padding rows with slot -1, optional sliding window; the cache must hold exactly the written rows afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ascent.attention.backend import CommonAttentionMetadata
+from ascent.attention.backends.sdpa import SDPABackend
+from ascent.attention.layer import Attention, get_attn_backend
+from ascent.forward_context import get_forward_context, set_forward_context
+
+NUM_HEADS, NUM_KV_HEADS, HEAD = 8, 2, 16
+BLOCK_SIZE, NUM_BLOCKS = 4, 40
+SENTINEL = 1234.5
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_computed: int, scale: float,
+              window: int | None) -> torch.Tensor:
+    """float64 attention of q ``[n, H*d]`` over the full context k/v ``[L, Hkv*d]``, query i at num_computed+i."""
+    n, length, group = q.shape[0], k.shape[0], NUM_HEADS // NUM_KV_HEADS
+    qh = q.double().view(n, NUM_HEADS, HEAD).transpose(0, 1)
+    kh = k.double().view(length, NUM_KV_HEADS, HEAD).transpose(0, 1).repeat_interleave(group, 0)
+    vh = v.double().view(length, NUM_KV_HEADS, HEAD).transpose(0, 1).repeat_interleave(group, 0)
+    scores = qh @ kh.transpose(1, 2) * scale
+    q_pos = torch.arange(num_computed, num_computed + n).unsqueeze(1)
+    k_pos = torch.arange(length).unsqueeze(0)
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ vh).transpose(0, 1).reshape(n, NUM_HEADS * HEAD)
+
+
+def make_case(rng: np.random.Generator, dtype: torch.dtype, pad: int):
+    """Requests as (num_computed, num_new); the cached prefixes are written into the cache beforehand."""
+    reqs = [(11, 1), (0, 7), (5, 1), (9, 6), (0, 1), (3, 4), (17, 1)]
+    order = rng.permutation(len(reqs))
+    reqs = [reqs[i] for i in order]
+    free = list(rng.permutation(np.arange(1, NUM_BLOCKS)))
+    cache = torch.full((2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD), SENTINEL, dtype=dtype)
+    flat = cache.view(2, -1, NUM_KV_HEADS * HEAD)
+    width = max(-(-(c + n) // BLOCK_SIZE) for c, n in reqs) + 2
+    table = np.zeros((len(reqs), width), dtype=np.int32)
+    full_k, full_v, slots = [], [], []
+    for i, (c, n) in enumerate(reqs):
+        nblocks = -(-(c + n) // BLOCK_SIZE)
+        table[i, :nblocks] = [free.pop() for _ in range(nblocks)]
+        req_slots = [int(table[i, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(c + n)]
+        k = torch.randn(c + n, NUM_KV_HEADS * HEAD).to(dtype)
+        v = torch.randn(c + n, NUM_KV_HEADS * HEAD).to(dtype)
+        flat[0, req_slots[:c]], flat[1, req_slots[:c]] = k[:c], v[:c]
+        full_k.append(k)
+        full_v.append(v)
+        slots += req_slots[c:]
+    new_lens = [n for _, n in reqs]
+    qsl = np.concatenate([[0], np.cumsum(new_lens)]).astype(np.int32)
+    total = int(qsl[-1])
+    q = torch.randn(total + pad, NUM_HEADS * HEAD).to(dtype)
+    k_new = torch.cat([k[c:] for k, (c, _) in zip(full_k, reqs)] + [torch.randn(pad, NUM_KV_HEADS * HEAD).to(dtype)])
+    v_new = torch.cat([v[c:] for v, (c, _) in zip(full_v, reqs)] + [torch.randn(pad, NUM_KV_HEADS * HEAD).to(dtype)])
+    computed = np.array([c for c, _ in reqs], dtype=np.int32)
+    seq_lens = computed + np.array(new_lens, dtype=np.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(seq_lens),
+        num_computed_tokens=torch.from_numpy(computed), block_table=torch.from_numpy(table),
+        slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64), query_start_loc_np=qsl,
+        seq_lens_np=seq_lens, num_computed_tokens_np=computed, num_reqs=len(reqs), num_actual_tokens=total,
+        max_query_len=max(new_lens), max_seq_len=int(seq_lens.max()), block_size=BLOCK_SIZE,
+    )
+    return reqs, common, cache, q, k_new, v_new, full_k, full_v
+
+
+@pytest.mark.parametrize(
+    "dtype,tol,window,pad",
+    [(torch.float32, 2e-5, None, 3), (torch.float32, 2e-5, 3, 0), (torch.bfloat16, 3e-2, None, 2),
+     (torch.float16, 5e-3, 6, 1)],
+)
+def test_paged_attention_matches_float64(dtype: torch.dtype, tol: float, window: int | None, pad: int) -> None:
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    reqs, common, cache, q, k_new, v_new, full_k, full_v = make_case(rng, dtype, pad)
+    before = cache.clone()
+    scale = 1 / math.sqrt(HEAD) * 0.9
+    impl = SDPABackend.get_impl_cls()(NUM_HEADS, HEAD, scale, NUM_KV_HEADS, sliding_window=window)
+    metadata = SDPABackend.get_builder_cls()().build(common)
+    out = impl.forward(q, k_new, v_new, cache, metadata)
+    assert out.shape == q.shape and out.dtype == dtype
+    qsl = common.query_start_loc_np
+    for i, (c, n) in enumerate(reqs):
+        expected = reference(q[qsl[i] : qsl[i + 1]], full_k[i], full_v[i], c, scale, window)
+        got = out[qsl[i] : qsl[i + 1]].double()
+        assert (got - expected).abs().max() <= tol * max(1.0, expected.abs().max()), (i, c, n)
+    assert torch.all(out[common.num_actual_tokens :] == 0)
+    written = common.slot_mapping[: common.num_actual_tokens]
+    flat, flat_before = cache.view(2, -1, NUM_KV_HEADS * HEAD), before.view(2, -1, NUM_KV_HEADS * HEAD)
+    assert torch.equal(flat[0, written], k_new[: common.num_actual_tokens])
+    assert torch.equal(flat[1, written], v_new[: common.num_actual_tokens])
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(flat[:, untouched], flat_before[:, untouched])
+
+
+def test_no_metadata_is_one_causal_sequence() -> None:
+    torch.manual_seed(1)
+    q, k, v = torch.randn(9, NUM_HEADS * HEAD), torch.randn(9, NUM_KV_HEADS * HEAD), torch.randn(9, NUM_KV_HEADS * HEAD)
+    layer = Attention(NUM_HEADS, HEAD, HEAD**-0.5, NUM_KV_HEADS, prefix="model.layers.0.self_attn.attn")
+    with set_forward_context(None):
+        out = layer(q, k, v)
+    assert (out.double() - reference(q, k, v, 0, HEAD**-0.5, None)).abs().max() < 1e-5
+
+
+def test_layer_reads_context_and_validates() -> None:
+    rng = np.random.default_rng(2)
+    reqs, common, cache, q, k_new, v_new, full_k, full_v = make_case(rng, torch.float32, 0)
+    layer = Attention(NUM_HEADS, HEAD, HEAD**-0.5, NUM_KV_HEADS, prefix="layer0")
+    assert layer.layer_name == "layer0" and layer.backend is SDPABackend and layer.kv_cache.numel() == 0
+    metadata = SDPABackend.get_builder_cls()().build(common)
+    with set_forward_context({"layer0": metadata}):
+        with pytest.raises(RuntimeError, match="no KV cache"):
+            layer(q, k_new, v_new)
+        layer.kv_cache = cache
+        out = layer(q, k_new, v_new)
+    i = 0
+    expected = reference(q[: common.query_start_loc_np[1]], full_k[i], full_v[i], reqs[i][0], HEAD**-0.5, None)
+    assert (out[: common.query_start_loc_np[1]].double() - expected).abs().max() < 2e-5
+    with pytest.raises(RuntimeError, match="forward context"):
+        get_forward_context()
+    with pytest.raises(ValueError, match="flash"):
+        get_attn_backend("flash")
+    with pytest.raises(ValueError, match="num_kv_heads 3"):
+        Attention(8, HEAD, 1.0, 3)
+    assert SDPABackend.get_kv_cache_shape(7, 16, 2, 64) == (2, 7, 16, 2, 64)
