@@ -69,7 +69,6 @@ def apply_chat_template(
         raise ValueError(
             f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; pass one with --chat-template"
         )
-    rendered = tokenizer.apply_chat_template(
+    return tokenizer.apply_chat_template(
         messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
     )
-    return rendered

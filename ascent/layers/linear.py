@@ -119,6 +119,7 @@ class LinearBase(nn.Module):
         self.quant_method: LinearMethodBase = method or UnquantizedLinearMethod()
 
     def _create(self, in_local: int, out_parts: list[int], bias: bool) -> None:
+        """Create weights through the quant method, plus the bias; every parameter gets ``self.weight_loader``."""
         self.quant_method.create_weights(
             self, in_local, out_parts, self.input_size, self.output_size, self.params_dtype,
             weight_loader=self.weight_loader,
@@ -130,8 +131,9 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-        raise ValueError(f"{type(self).__name__} {self.prefix!r} does not accept shard id {shard_id!r}")
+    def _reject_shard_id(self, shard_id: Any) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} {self.prefix!r} does not accept shard id {shard_id!r}")
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, bias={self.bias is not None}"
@@ -153,8 +155,7 @@ class ReplicatedLinear(LinearBase):
         self._create(input_size, [output_size], bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-        if shard_id is not None:
-            super().weight_loader(param, loaded_weight, shard_id)
+        self._reject_shard_id(shard_id)
         _copy_checked(param.data, loaded_weight, self.prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,13 +200,13 @@ class ColumnParallelLinear(LinearBase):
             return
         if start + size > loaded.shape[dim]:
             raise ValueError(
-                f"{self.prefix}: checkpoint dim {dim} has {loaded.shape[dim]} rows, shard needs [{start}, {start + size})"
+                f"{self.prefix}: checkpoint dim {dim} has {loaded.shape[dim]} rows; "
+                f"shard needs [{start}, {start + size})"
             )
         _copy_checked(param.data.narrow(dim, offset, size), loaded.narrow(dim, start, size), self.prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-        if shard_id is not None:
-            super().weight_loader(param, loaded_weight, shard_id)
+        self._reject_shard_id(shard_id)
         size = self.output_size_per_partition
         self._load_narrow(param, loaded_weight, 0, size, self.tp_rank * size)
 
@@ -324,8 +325,7 @@ class RowParallelLinear(LinearBase):
         self._create(self.input_size_per_partition, [output_size], bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-        if shard_id is not None:
-            super().weight_loader(param, loaded_weight, shard_id)
+        self._reject_shard_id(shard_id)
         dim = getattr(param, "input_dim", None)
         if dim is None:
             _copy_checked(param.data, loaded_weight, self.prefix)

@@ -8,6 +8,7 @@ original HF weights (up to quantization error).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -64,11 +65,20 @@ _TOKEN_USER_DEFINED = 4
 
 # ---------------------------------------------------------------------------------------------------------- reading
 def _open_reader(path: str) -> Any:
-    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped, read-only); ValueError when it is not a GGUF file."""
-    import gguf
+    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped, read-only); ValueError when it is not a GGUF file.
 
+    Parsing the header (~100k vocabulary strings) takes seconds, and config, tokenizer and weights all read the same
+    file at start-up, so readers are cached per (path, size, mtime)."""
     if not (isinstance(path, str) and os.path.isfile(path)):
         raise ValueError(f"GGUF file {path!r} does not exist")
+    st = os.stat(path)
+    return _cached_reader(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, size: int, mtime_ns: int) -> Any:
+    import gguf
+
     try:
         return gguf.GGUFReader(path, "r")
     except (ValueError, OSError) as exc:

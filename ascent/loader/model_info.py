@@ -127,7 +127,7 @@ def get_generation_defaults(model_path: str) -> dict[str, Any]:
 
 def _config_dtype(hf_config: Any) -> torch.dtype | None:
     for config in (_text_config(hf_config), hf_config):
-        value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        value = getattr(config, "dtype", None) or vars(config).get("torch_dtype")
         if isinstance(value, str):
             value = getattr(torch, value, None)
         if isinstance(value, torch.dtype):

@@ -23,5 +23,6 @@ def get_model_class(architectures: list[str]) -> type[nn.Module]:
             module_name, class_name = _MODELS[arch]
             return getattr(importlib.import_module(module_name), class_name)
     raise ValueError(
-        f"unsupported model architecture(s) {list(architectures or [])}; supported: {', '.join(supported_architectures())}"
+        f"unsupported model architecture(s) {list(architectures or [])}; "
+        f"supported: {', '.join(supported_architectures())}"
     )

@@ -3,6 +3,7 @@ computes logits only at sampled positions and samples."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +75,7 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attention_layers():
             shape = layer.backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
-            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            cache = _allocate_cache(shape, self.dtype, self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
@@ -209,3 +210,16 @@ def _trim_entry(entry: LogprobsEntry, num_logprobs: int) -> LogprobsEntry:
     if num_logprobs < 0:
         return entry
     return LogprobsEntry(entry.token_ids[: 1 + num_logprobs], entry.logprobs[: 1 + num_logprobs], entry.rank)
+
+
+def _allocate_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zero-filled KV cache tensor.
+
+    On CPU a large ``torch.empty`` is a fresh anonymous mapping, i.e. kernel zero pages that are only touched when a
+    block is first written, so start-up does not pay for memsetting gigabytes it may never use. Attention never
+    reads a slot that was not written this step or earlier (padding repeats a valid slot), so even reused memory would
+    be safe; ``zero_`` is still used for small tensors where the allocator may hand back recycled memory.
+    """
+    if device.type == "cpu" and math.prod(shape) * torch.tensor([], dtype=dtype).element_size() >= 64 << 20:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)

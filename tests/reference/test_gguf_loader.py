@@ -13,6 +13,7 @@ import torch
 
 from ascent.default_model import default_model_path
 from ascent.loader.gguf import gguf_tensor_name_to_hf, gguf_to_hf_config, iterate_gguf_weights
+from ascent.loader.model_info import derive_max_model_len, get_model_dtype
 
 torch.set_num_threads(1)
 
@@ -65,6 +66,8 @@ def test_smollm_config_equals_transformers(smollm_path: str) -> None:
         assert getattr(ours, field) == getattr(ref, field), field
     assert ours.rope_parameters["rope_theta"] == ref.rope_parameters["rope_theta"] == 100000.0
     assert ours.rope_parameters["rope_type"] == ref.rope_parameters["rope_type"]
+    assert get_model_dtype(ours, "auto", "cpu") is torch.bfloat16  # GGUF has no single HF dtype
+    assert derive_max_model_len(ours, None) == 8192
 
 
 # ------------------------------------------------------------------------------------- tiny GGUFs written here

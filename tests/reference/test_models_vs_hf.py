@@ -80,7 +80,7 @@ class PagedHarness:
         return out
 
 
-def _schedule(seqs: dict[str, list[int]]) -> list[tuple[list[tuple[str, slice]], int]]:
+def _schedule() -> list[tuple[list[tuple[str, slice]], int]]:
     """Steps as (list of (request, token slice), padding rows); A: 18 tokens, B: 14, C: 9."""
     s = slice
     return [
@@ -109,12 +109,13 @@ def run_and_compare(model_dir: str, dtype: torch.dtype, rel_tol: float, abs_tol:
     model = get_model(model_dir, config, dtype, torch.device("cpu"))
     harness = PagedHarness(model)
     checked = {r: 0 for r in seqs}
-    for chunks, pad in _schedule(seqs):
+    for chunks, pad in _schedule():
         out = harness.step([(r, seqs[r][sl]) for r, sl in chunks], pad=pad)
         for r, sl in chunks:
             expected = ref[r][sl]
             diff = (out[r] - expected).abs().max()
-            assert diff <= rel_tol * expected.abs().max() + abs_tol, (r, sl, float(diff), _max_rel_err(out[r], expected))
+            bound = rel_tol * expected.abs().max() + abs_tol
+            assert diff <= bound, (r, sl, float(diff), _max_rel_err(out[r], expected))
             checked[r] += sl.stop - sl.start
     assert checked == lengths
 

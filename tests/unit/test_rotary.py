@@ -47,6 +47,11 @@ def test_inv_freq_cos_sin_and_apply_match_transformers(case: str) -> None:
     positions = torch.tensor([0, 1, 5, 63, 64, 200, MAX_POS - 1])
     x = torch.zeros(1, positions.numel(), 1)
     cos, sin = hf_rope(x, positions[None])
+    cache = rope.cos_sin_cache[positions]
+    half = HEAD // 2
+    torch.testing.assert_close(cache[:, :HEAD], cos[0], rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(cache[:, HEAD:], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1), rtol=1e-5,
+                               atol=2e-5)
     q, k = torch.randn(positions.numel(), 4 * HEAD), torch.randn(positions.numel(), 2 * HEAD)
     ref_q, ref_k = apply_rotary_pos_emb(q.view(1, -1, 4, HEAD), k.view(1, -1, 2, HEAD), cos, sin, unsqueeze_dim=2)
     out_q, out_k = rope(positions, q, k)

@@ -190,21 +190,19 @@ class SDPAImpl(AttentionImpl):
         if attn_metadata.num_decodes:
             self._decode(q, k_cache, v_cache, attn_metadata, decode_mask, out)
         for p, mask in zip(attn_metadata.prefills, prefill_masks):
-            if p.context_slots is None and mask is None:
-                out[p.start : p.end] = self._attend_fresh(q[p.start : p.end], k[p.start : p.end], v[p.start : p.end])
-            elif p.context_slots is None:
-                out[p.start : p.end] = self._attend_fresh(q[p.start : p.end], k[p.start : p.end],
-                                                          v[p.start : p.end], mask)
+            rows = slice(p.start, p.end)
+            if p.context_slots is None:
+                out[rows] = self._attend_fresh(q[rows], k[rows], v[rows], mask)
             else:
-                out[p.start : p.end] = self._attend_cached(q[p.start : p.end], k_cache, v_cache, p, mask)
+                out[rows] = self._attend_cached(q[rows], k_cache, v_cache, p, mask)
         if num_tokens > attn_metadata.num_actual_tokens:
             out[attn_metadata.num_actual_tokens :].zero_()
         return out
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                md: SDPAMetadata) -> None:
-        k = k.view(-1, self.num_kv_heads, self.head_size)
-        v = v.view(-1, self.num_kv_heads, self.head_size)
+        k = k.reshape(-1, self.num_kv_heads, self.head_size)
+        v = v.reshape(-1, self.num_kv_heads, self.head_size)
         if md.write_rows is not None:
             k, v = k.index_select(0, md.write_rows), v.index_select(0, md.write_rows)
         elif k.shape[0] != md.write_slots.shape[0]:
@@ -216,7 +214,10 @@ class SDPAImpl(AttentionImpl):
                 mask: torch.Tensor | None, out: torch.Tensor) -> None:
         n, group = md.num_decodes, self.num_heads // self.num_kv_heads
         assert md.decode_slots is not None
-        qd = q.index_select(0, md.decode_rows) if md.decode_rows is not None else q[md.decode_start : md.decode_start + n]
+        if md.decode_rows is not None:
+            qd = q.index_select(0, md.decode_rows)
+        else:
+            qd = q[md.decode_start : md.decode_start + n]
         qd = qd.reshape(n, self.num_kv_heads, group, self.head_size)
         flat = md.decode_slots.view(-1)
         shape = (n, md.decode_slots.shape[1], self.num_kv_heads, self.head_size)

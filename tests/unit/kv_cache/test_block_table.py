@@ -54,7 +54,8 @@ def test_vector_dcp8_interleave128(rank: int) -> None:
 def test_random_slot_mapping_matches_scalar_loop(d: int, inter: int, bs: int) -> None:
     rng = np.random.default_rng(d * 100 + inter * 10 + bs)
     num_reqs, max_blocks = 5, 9
-    rows = [rng.choice(1000, size=int(rng.integers(1, max_blocks + 1)), replace=False).tolist() for _ in range(num_reqs)]
+    sizes = rng.integers(1, max_blocks + 1, size=num_reqs)
+    rows = [rng.choice(1000, size=int(n), replace=False).tolist() for n in sizes]
     req = rng.integers(0, num_reqs, size=300)
     pos = np.array([rng.integers(0, len(rows[q]) * bs * d) for q in req])
     for rank in range(d):
