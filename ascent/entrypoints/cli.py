@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
-        return int(args.func(args) or 0)
+        rc = args.func(args)
+        return rc if isinstance(rc, int) else 0
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ascent.layers.cpu_packing import pack_linear_weight, packed_linear
 from torch import nn
 
 from ascent.distributed.parallel_state import (
@@ -110,8 +112,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embed_tokens.weight
         return self
 
+    def process_weights_after_loading(self) -> None:
+        """Pack a (possibly tied, hence copied) weight for oneDNN on CPU; the embedding keeps its dense rows."""
+        self.packed_weight = pack_linear_weight(self.weight)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight, self.bias)
+        packed = getattr(self, "packed_weight", None)
+        if packed is not None and hidden_states.dtype == packed.dtype:
+            logits = packed_linear(hidden_states, packed, self.bias)
+        else:
+            logits = F.linear(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         if logits.shape[-1] != self.org_vocab_size:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ascent.layers.cpu_packing import pack_linear_weight, packed_linear
 from ascent.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -87,7 +88,17 @@ class UnquantizedLinearMethod(LinearMethodBase):
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
         layer.register_parameter("weight", weight)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """On CPU, pack bf16/fp16 weights for oneDNN once; the dense copy is released (the packed one replaces it)."""
+        packed = pack_linear_weight(layer.weight)
+        if packed is not None:
+            layer.packed_weight = packed
+            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        packed = getattr(layer, "packed_weight", None)
+        if packed is not None and x.dtype == packed.dtype:
+            return packed_linear(x, packed, bias)
         return F.linear(x, layer.weight, bias)
 
 

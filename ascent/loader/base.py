@@ -93,11 +93,13 @@ def check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
 
 
 def finalize_model(model: nn.Module) -> nn.Module:
-    """Run every quant method's ``process_weights_after_loading`` and switch to eval mode."""
+    """Run every quant method's (or module's own) ``process_weights_after_loading`` and switch to eval mode."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+        elif callable(getattr(module, "process_weights_after_loading", None)):
+            module.process_weights_after_loading()
     return model.eval()
 
 
