@@ -10,13 +10,14 @@ from typing import Any
 from ascent.args import EngineArgs
 from ascent.config import EngineConfig
 from ascent.core.engine_core import EngineCore
-from ascent.core.output_processor import OutputProcessor
+from ascent.core.scheduler import SchedulerStats
+from ascent.core.output_processor import IterationStats, OutputProcessor
 from ascent.core.parallel_sampling import ParentRequest
 from ascent.metrics.loggers import LoggingStatLogger
 from ascent.outputs import RequestOutput
 from ascent.sampling_params import SamplingParams
-from ascent.tokenizer import get_tokenizer
 from ascent.loader.model_info import get_eos_token_ids
+from ascent.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -24,15 +25,18 @@ PromptType = str | dict[str, Any] | list[int]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, log_stats: bool | None = None) -> None:
         start = time.perf_counter()
         self.config = config
         mc = config.model_config
         self.tokenizer = get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
         mc.eos_token_ids = get_eos_token_ids(mc.model, self.tokenizer)
         self.engine_core = EngineCore(config)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.stat_logger = None if config.disable_log_stats else LoggingStatLogger()
+        self.log_stats = (not config.disable_log_stats) if log_stats is None else log_stats
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
+        self.stat_logger = LoggingStatLogger() if self.log_stats and not config.disable_log_stats else None
+        self.last_scheduler_stats: SchedulerStats | None = None
+        self.last_iteration_stats: IterationStats | None = None
         self._request_counter = itertools.count()
         self.timings = {"engine_init_s": time.perf_counter() - start, **self.engine_core.timings}
 
@@ -110,10 +114,13 @@ class LLMEngine:
         result = self.output_processor.process_outputs(outputs)
         if result.reqs_to_abort:
             self.engine_core.abort_requests(result.reqs_to_abort)
-        if self.stat_logger is not None:
-            stats = self.engine_core.make_stats()
-            gen = sum(len(o.new_token_ids) for o in outputs)
-            self.stat_logger.record(stats, 0, gen)
+        if self.log_stats:
+            self.last_scheduler_stats = self.engine_core.make_stats()
+            self.last_iteration_stats = result.iteration_stats
+            if self.stat_logger is not None:
+                it = result.iteration_stats
+                self.stat_logger.record(self.last_scheduler_stats, it.num_prompt_tokens if it else 0,
+                                        it.num_generation_tokens if it else 0)
         return result.request_outputs
 
     def has_unfinished_requests(self) -> bool:
