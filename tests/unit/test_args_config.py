@@ -1,0 +1,66 @@
+"""EngineArgs -> CLI flags (vLLM names) and validation errors that name the bad value."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ascent.args import EngineArgs, parse_size
+from ascent.config import CacheConfig, DeviceConfig, SchedulerConfig
+
+
+def _parse(argv: list[str]) -> EngineArgs:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    return EngineArgs.from_cli_args(parser.parse_args(argv))
+
+
+def test_flags_use_vllm_names_and_types():
+    args = _parse(["--model", "m", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
+                   "--max-num-batched-tokens", "64", "--block-size", "32", "--no-enable-prefix-caching",
+                   "--kv-cache-memory-bytes", "512M", "--seed", "3", "--hardware-profile", "cpu", "-tp", "1"])
+    assert args.model == "m" and args.dtype == "float32" and args.max_model_len == 128
+    assert args.max_num_seqs == 4 and args.max_num_batched_tokens == 64 and args.block_size == 32
+    assert args.enable_prefix_caching is False and args.kv_cache_memory_bytes == 512 << 20
+    assert args.seed == 3 and args.hardware_profile == "cpu" and args.tensor_parallel_size == 1
+
+
+def test_defaults_match_vllm():
+    args = _parse([])
+    assert args.enable_prefix_caching is True and args.block_size == 16 and args.max_num_seqs == 256
+    assert args.dtype == "auto" and args.scheduling_policy == "fcfs"
+
+
+@pytest.mark.parametrize("text,expected", [("1024", 1024), ("2GiB", 2 << 30), ("1.5g", int(1.5 * (1 << 30))),
+                                           ("64k", 64 << 10)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_parse_size_rejects_garbage():
+    with pytest.raises(ValueError, match="lots"):
+        parse_size("lots")
+
+
+@pytest.mark.parametrize("factory,bad", [
+    (lambda: CacheConfig(block_size=3), "block_size=3"),
+    (lambda: CacheConfig(kv_cache_memory_bytes=0), "kv_cache_memory_bytes=0"),
+    (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs=0"),
+    (lambda: SchedulerConfig(max_num_batched_tokens=-5), "max_num_batched_tokens=-5"),
+    (lambda: SchedulerConfig(scheduling_policy="lifo"), "lifo"),
+    (lambda: DeviceConfig(hardware_profile="tpu"), "tpu"),
+])
+def test_invalid_config_values_name_the_value(factory, bad):
+    with pytest.raises(ValueError, match=bad):
+        factory()
+
+
+def test_invalid_engine_args_at_config_creation(tiny_llama_dir):
+    with pytest.raises(ValueError, match="int8"):
+        EngineArgs(model=tiny_llama_dir, dtype="int8").create_engine_config()
+    with pytest.raises(ValueError, match="99999"):
+        EngineArgs(model=tiny_llama_dir, max_model_len=99999).create_engine_config()
+    with pytest.raises(ValueError, match="no-such-model"):
+        EngineArgs(model="/no-such-model").create_engine_config()
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        EngineArgs(model=tiny_llama_dir, tensor_parallel_size=2).create_engine_config()
