@@ -86,9 +86,9 @@ def _run_latency(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def register_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``bench`` with the ``throughput`` and ``latency`` sub-commands (each sets ``func``)."""
+    """Add ``bench`` with the ``throughput``, ``latency``, ``serve`` and ``startup`` sub-commands (each sets ``func``)."""
     bench = subparsers.add_parser("bench", help="benchmarks (JSON with vLLM's key names)")
-    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput,latency}", required=True)
+    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput,latency,serve,startup}", required=True)
     throughput = commands.add_parser("throughput", help="B1 offline throughput vs the HF peer",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_throughput_args(throughput)
@@ -97,4 +97,7 @@ def register_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_latency_args(latency)
     latency.set_defaults(func=_run_latency)
+    from ascent.benchmarks.serve_cli import register_serve_bench_parsers
+
+    register_serve_bench_parsers(commands)
     return bench

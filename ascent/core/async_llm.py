@@ -165,10 +165,14 @@ class AsyncLLM:
             loop.call_soon_threadsafe(collector.put, out)
             if out.finished:
                 del self._streams[out.request_id]
-        if self._observers:
-            stats = self.engine.last_scheduler_stats
-            for fn in self._observers:
-                fn(stats, self.engine.last_iteration_stats)
+        self._notify_observers(self.engine.last_scheduler_stats, self.engine.last_iteration_stats)
+
+    def _notify_observers(self, stats: SchedulerStats | None, iteration: IterationStats | None) -> None:
+        for fn in self._observers:
+            try:
+                fn(stats, iteration)
+            except Exception:  # a metrics bug must never take the engine down
+                logger.exception("stat observer %r failed", fn)
 
     def _drain_commands(self) -> None:
         while True:
@@ -194,6 +198,9 @@ class AsyncLLM:
         if name == "abort":
             self._streams.pop(args[0], None)
             self.engine.abort_request([args[0]])
+            if self._observers and not self.engine.has_unfinished_requests():
+                # the engine goes idle without another step: publish the drained state (gauges would go stale)
+                self._notify_observers(self.engine.engine_core.make_stats(), None)
             return None
         if name == "reset_prefix_cache":
             return self.engine.reset_prefix_cache()
