@@ -97,7 +97,11 @@ class AsyncLLM:
     ) -> AsyncGenerator[RequestOutput, None]:
         loop = asyncio.get_running_loop()
         collector = RequestOutputCollector(sampling_params.output_kind)
-        await self._call("add", request_id, prompt, sampling_params, priority, loop, collector)
+        try:
+            await self._call("add", request_id, prompt, sampling_params, priority, loop, collector)
+        except asyncio.CancelledError:  # the caller left while the add was in flight: don't run it for nobody
+            self._submit("abort", request_id)
+            raise
         finished = False
         try:
             while not finished:

@@ -1,4 +1,4 @@
-"""The ``ascent`` command: ``generate``, ``chat`` and ``bench`` (``serve`` arrives with the server)."""
+"""The ``ascent`` command: ``serve``, ``generate``, ``chat`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(chat)
     _sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
+
+    from ascent.entrypoints.openai.api_server import add_serve_args, run_server
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible API server (the default model when MODEL is omitted)")
+    add_serve_args(srv)
+    srv.set_defaults(func=run_server)
 
     from ascent.benchmarks.cli import register_bench_parser
 

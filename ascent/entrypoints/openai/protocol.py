@@ -1,0 +1,374 @@
+"""Pydantic request/response models of the OpenAI-compatible server (OpenAI + vLLM field names and defaults)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from http import HTTPStatus
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ascent.outputs import RequestOutputKind
+from ascent.sampling_params import SamplingParams
+
+# OpenAI caps top_logprobs at 20; vLLM follows.
+MAX_TOP_LOGPROBS = 20
+
+
+def random_uuid() -> str:
+    return uuid.uuid4().hex
+
+
+class OpenAIBaseModel(BaseModel):
+    """Unknown request fields are ignored, as the OpenAI server does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# ------------------------------------------------------------------------------------------------------- errors
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    """``{"error": {"message", "type", "param", "code"}}``; ``code`` is the HTTP status."""
+
+    error: ErrorInfo
+
+    @classmethod
+    def create(cls, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+               err_type: str | None = None, param: str | None = None) -> "ErrorResponse":
+        names = {HTTPStatus.BAD_REQUEST: "BadRequestError", HTTPStatus.NOT_FOUND: "NotFoundError"}
+        kind = err_type or names.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
+        return cls(error=ErrorInfo(message=message, type=kind, param=param, code=int(status)))
+
+    @property
+    def status_code(self) -> int:
+        return self.error.code
+
+
+# ------------------------------------------------------------------------------------------------------- common
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "ascent"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI, then vLLM extras)."""
+
+    model: str | None = None
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> "_SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true.")
+        return self
+
+    def _build_params(self, max_tokens: int | None, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """SamplingParams for this request (raises ValueError on invalid values)."""
+        try:
+            logit_bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+        except ValueError as exc:
+            raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)!r}.") from exc
+        return SamplingParams(
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=logit_bias,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+
+# ------------------------------------------------------------------------------------------------------- completions
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions. ``max_tokens`` defaults to 16 like OpenAI and vLLM; ``None`` means "to the end"."""
+
+    prompt: list[int] | list[list[int]] | str | list[str]
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> "CompletionRequest":
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}.")
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported.")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} is not supported; only best_of == n.")
+        return self
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompt as a list of single prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """``default_max_tokens`` (``max_model_len - prompt_len``) applies when ``max_tokens`` is None."""
+        params = self._build_params(self.max_tokens, default_max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = self.logprobs
+        return params
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+# ------------------------------------------------------------------------------------------------------- chat
+def _reject_request_template(chat_template: str | None) -> None:
+    # A client-chosen template (or template file path) is not trusted, as in vLLM without
+    # --trust-request-chat-template; the server's --chat-template applies.
+    if chat_template is not None:
+        raise ValueError("a per-request chat_template is not accepted; start the server with --chat-template.")
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions. Absent ``max_completion_tokens``/``max_tokens`` mean "to the end" (vLLM)."""
+
+    messages: list[dict[str, Any]]
+    logprobs: bool = False
+    top_logprobs: int | None = 0
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_logprobs(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("top_logprobs") is not None:
+            top = data["top_logprobs"]
+            if isinstance(top, int) and not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}.")
+            if not data.get("logprobs"):
+                raise ValueError("when using top_logprobs, logprobs must be set to true.")
+        return data
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> "ChatCompletionRequest":
+        _reject_request_template(self.chat_template)
+        if not self.messages:
+            raise ValueError("messages must contain at least one message.")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
+        return self
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """``max_completion_tokens`` wins over the deprecated ``max_tokens``; neither -> ``default_max_tokens``."""
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._build_params(max_tokens, default_max_tokens, logprobs)
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | None = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ------------------------------------------------------------------------------------------------------- tokens
+class TokenizeRequest(OpenAIBaseModel):
+    """POST /tokenize: either ``prompt`` or chat ``messages`` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # default: True for prompt, False for messages
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_one(self) -> "TokenizeRequest":
+        _reject_request_template(self.chat_template)
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt and messages must be given.")
+        return self
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
+
+
+def sse_event(chunk: BaseModel) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line (null fields are left out, as in vLLM's chunks)."""
+    return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
