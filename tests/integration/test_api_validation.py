@@ -67,3 +67,16 @@ def test_n_and_stop_strings_and_min_tokens(llm):
     stops = llm.generate("hello", SamplingParams(temperature=0, max_tokens=5, logit_bias={min(eos): 100.0}),
                          use_tqdm=False)[0].outputs[0]
     assert stops.finish_reason == "stop" and len(stops.token_ids) == 1
+
+
+def test_stop_token_ids_and_eos_union(llm):
+    base = llm.generate("hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    ids = list(base[0].outputs[0].token_ids)
+    target = ids[2]
+    first = ids.index(target)
+    out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[target]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+    assert list(out.token_ids) == ids[: first + 1]
+    # the model's EOS set = tokenizer EOS ∪ generation_config eos_token_id (the fixture writes [2])
+    assert 2 in llm.llm_engine.config.model_config.eos_token_ids
