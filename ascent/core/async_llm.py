@@ -200,9 +200,9 @@ class AsyncLLM:
             self._streams[request_id] = (loop, collector)
             return None
         if name == "abort":
-            self._streams.pop(args[0], None)
+            was_active = self._streams.pop(args[0], None) is not None
             self.engine.abort_request([args[0]])
-            if self._observers and not self.engine.has_unfinished_requests():
+            if was_active and self._observers and not self.engine.has_unfinished_requests():
                 # the engine goes idle without another step: publish the drained state (gauges would go stale)
                 self._notify_observers(self.engine.engine_core.make_stats(), None)
             return None

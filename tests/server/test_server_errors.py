@@ -44,7 +44,8 @@ class EngineGate:
         if iteration_stats is not None:
             self.generated_tokens += iteration_stats.num_generation_tokens
             self.finished_requests += len(iteration_stats.finished_requests)
-        if not self._open.is_set():
+        running = getattr(_scheduler_stats, "num_running_reqs", 0)
+        if not self._open.is_set() and running > 0:  # hold only while a request is really in flight
             self.held.set()
             self._open.wait(timeout=60)
 
