@@ -6,14 +6,14 @@ import argparse
 from typing import Any
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
     return value
 
 
-def _size(text: str) -> int:
+def size_arg(text: str) -> int:
     from ascent.args import parse_size
 
     try:
@@ -29,10 +29,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="bfloat16",
                        choices=("auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16"),
                        help="serving dtype (also used by the HF peer and the roofline calibration)")
-    group.add_argument("--max-num-seqs", type=_positive_int, default=None, help="engine max running sequences")
-    group.add_argument("--max-num-batched-tokens", type=_positive_int, default=None, help="engine token budget")
-    group.add_argument("--kv-cache-memory-bytes", type=_size, default=None, help="KV cache bytes (512M, 2GiB)")
-    group.add_argument("--num-threads", type=_positive_int, default=None,
+    group.add_argument("--max-num-seqs", type=positive_int, default=None, help="engine max running sequences")
+    group.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="engine token budget")
+    group.add_argument("--kv-cache-memory-bytes", type=size_arg, default=None, help="KV cache bytes (512M, 2GiB)")
+    group.add_argument("--num-threads", type=positive_int, default=None,
                        help="torch threads for the engine, the peer and the calibration (pinned and reported)")
     group.add_argument("--seed", type=int, default=0, help="seed of the random prompts and of the engine")
 
@@ -45,31 +45,31 @@ def _add_common_args(parser: argparse.ArgumentParser) -> None:
     roof.add_argument("--roofline-stream-mib", type=float, default=1024.0, help="stream-read buffer size in MiB")
     roof.add_argument("--roofline-gemv-mib", type=float, default=256.0, help="GEMV weight size in MiB")
     roof.add_argument("--roofline-gemm-shape", default="512,2048,2048", help="GEMM M,N,K")
-    roof.add_argument("--roofline-repeats", type=_positive_int, default=5, help="timed repeats per measurement")
+    roof.add_argument("--roofline-repeats", type=positive_int, default=5, help="timed repeats per measurement")
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``ascent bench throughput`` (B1)."""
     _add_common_args(parser)
-    parser.add_argument("--num-prompts", type=_positive_int, default=64, help="number of requests")
-    parser.add_argument("--input-len", type=_positive_int, default=None, help="fixed prompt length")
-    parser.add_argument("--output-len", type=_positive_int, default=None, help="fixed output length")
+    parser.add_argument("--num-prompts", type=positive_int, default=64, help="number of requests")
+    parser.add_argument("--input-len", type=positive_int, default=None, help="fixed prompt length")
+    parser.add_argument("--output-len", type=positive_int, default=None, help="fixed output length")
     parser.add_argument("--random-input-len-range", default=None,
                         help="prompt length drawn uniformly from LO,HI (default 16,256)")
     parser.add_argument("--random-output-len-range", default=None,
                         help="output length drawn uniformly from LO,HI (default 16,128)")
     parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of both engines")
-    parser.add_argument("--peer-batch-size", type=_positive_int, default=16, help="HF generate batch size")
+    parser.add_argument("--peer-batch-size", type=positive_int, default=16, help="HF generate batch size")
     parser.add_argument("--disable-detokenize", action="store_true", help="skip detokenizing engine outputs")
 
 
 def add_latency_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``ascent bench latency`` (B2)."""
     _add_common_args(parser)
-    parser.add_argument("--batch-size", type=_positive_int, default=1, help="prompts per generate")
-    parser.add_argument("--input-len", type=_positive_int, default=8, help="prompt length")
-    parser.add_argument("--output-len", type=_positive_int, default=128, help="generated tokens (greedy)")
-    parser.add_argument("--num-iters", type=_positive_int, default=3, help="timed iterations")
+    parser.add_argument("--batch-size", type=positive_int, default=1, help="prompts per generate")
+    parser.add_argument("--input-len", type=positive_int, default=8, help="prompt length")
+    parser.add_argument("--output-len", type=positive_int, default=128, help="generated tokens (greedy)")
+    parser.add_argument("--num-iters", type=positive_int, default=3, help="timed iterations")
     parser.add_argument("--num-iters-warmup", type=int, default=1, help="untimed warmup iterations")
 
 

@@ -10,15 +10,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ascent.benchmarks.cli import positive_int as _positive_int
+from ascent.benchmarks.cli import size_arg as _size
+
 ENGINE_FIELDS = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "kv_cache_memory_bytes", "num_threads", "enable_prefix_caching", "enforce_eager")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
-    return value
 
 
 def _positive_float(text: str) -> float:
@@ -26,15 +22,6 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive number (or 'inf')")
     return value
-
-
-def _size(text: str) -> int:
-    from ascent.args import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_server_args(parser: argparse.ArgumentParser, model_help: str) -> None:
