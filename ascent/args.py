@@ -51,7 +51,8 @@ class EngineArgs:
         "weight/activation dtype", ("auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16")))
     max_model_len: int | None = field(default=None, metadata=_opt("maximum context length (prompt + output)"))
     seed: int = field(default=0, metadata=_opt("engine random seed"))
-    block_size: int = field(default=16, metadata=_opt("KV cache block size in tokens"))
+    block_size: int | None = field(default=None, metadata=_opt(
+        "KV cache block size in tokens (default 16, or the profile's kernel block size)"))
     enable_prefix_caching: bool = field(default=True, metadata=_opt("reuse KV blocks of identical prefixes"))
     kv_cache_memory_bytes: int | None = field(default=None, metadata=_opt(
         "bytes for the KV cache (accepts 512M, 2GiB); default 25% of available memory", parse=parse_size))
@@ -101,7 +102,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model files and build a validated EngineConfig (reads config metadata, not weights)."""
         from ascent.default_model import resolve_model_path
-        from ascent.loader.model_info import derive_max_model_len, get_model_dtype, load_hf_config
+        from ascent.loader.model_info import derive_max_model_len, load_hf_config
 
         device_config = DeviceConfig(hardware_profile=self.hardware_profile, num_threads=self.num_threads)
         model_path = resolve_model_path(self.model)
@@ -113,13 +114,13 @@ class EngineArgs:
             max_model_len=derive_max_model_len(hf_config, self.max_model_len),
             seed=self.seed,
             hf_config=hf_config,
-            torch_dtype=get_model_dtype(hf_config, self.dtype, device_config.device.type),
+            torch_dtype=_resolve_dtype(device_config, hf_config, self.dtype),
         )
         _check_int("seed", self.seed, 0)
         config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
-                block_size=self.block_size,
+                block_size=_resolve_block_size(device_config.profile, self.block_size),
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -138,6 +139,25 @@ class EngineArgs:
         )
         config.finalize()
         return config
+
+
+def _resolve_dtype(device_config: DeviceConfig, hf_config: Any, requested: str) -> Any:
+    """``--dtype auto`` -> the model's dtype when the profile allows it, else the profile default (310p: fp16);
+    an explicit dtype the profile does not allow (e.g. bf16 under 310p) is a ValueError naming both."""
+    from ascent.loader.model_info import get_model_dtype
+
+    profile = device_config.profile
+    model_dtype = get_model_dtype(hf_config, requested, device_config.device.type)
+    if requested == "auto":
+        return model_dtype if profile.allows_dtype(model_dtype) else profile.default_dtype
+    return profile.check_dtype(model_dtype)
+
+
+def _resolve_block_size(profile: Any, requested: int | None) -> int:
+    """Default 16 unless the profile's kernels need specific block sizes (then its first); explicit sizes are checked."""
+    if requested is None:
+        return profile.kernel_block_sizes[0] if profile.kernel_block_sizes else 16
+    return profile.check_block_size(requested)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -113,19 +113,22 @@ class LoadConfig:
 
 @dataclass
 class DeviceConfig:
+    """``--hardware-profile`` resolved to a ``HardwareProfile`` and the torch device it runs on (emulated Ascend
+    profiles run on whatever device is present; ``cuda`` without a GPU is a ValueError)."""
+
     hardware_profile: str = "auto"
-    device: torch.device = field(default=torch.device("cpu"))
     num_threads: int | None = None
+    profile: Any = field(default=None, repr=False)
+    device: torch.device = field(default=torch.device("cpu"))
 
     def __post_init__(self) -> None:
+        from ascent.platform.device_config import resolve_platform
+
         _require(self.hardware_profile in HARDWARE_PROFILES, "hardware_profile", self.hardware_profile,
                  f"must be one of {HARDWARE_PROFILES}")
         if self.num_threads is not None:
             _require(self.num_threads >= 1, "num_threads", self.num_threads, "must be at least 1")
-        if self.hardware_profile == "cuda" and not torch.cuda.is_available():
-            raise ValueError("hardware_profile='cuda' requested but no CUDA device is available.")
-        use_cuda = self.hardware_profile == "cuda" or (self.hardware_profile == "auto" and torch.cuda.is_available())
-        self.device = torch.device("cuda" if use_cuda else "cpu")
+        self.profile, self.device, _ = resolve_platform(self.hardware_profile)
 
 
 @dataclass

@@ -109,3 +109,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def get_impl_cls() -> type[AttentionImpl]:
         """The per-layer implementation class."""
+
+
+def make_metadata_builder(backend: type[AttentionBackend], **options: Any) -> AttentionMetadataBuilder:
+    """Instantiate ``backend``'s metadata builder, passing only the engine ``options`` its constructor accepts
+    (e.g. ``max_model_len``, ``max_num_seqs``, ``chunked_prefill``), so backends declare what they need."""
+    import inspect
+
+    builder_cls = backend.get_builder_cls()
+    params = inspect.signature(builder_cls.__init__).parameters
+    return builder_cls(**{k: v for k, v in options.items() if k in params})

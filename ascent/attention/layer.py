@@ -12,12 +12,22 @@ from ascent.forward_context import get_forward_context
 
 
 def get_attn_backend(name: str | None = None) -> type[AttentionBackend]:
-    """The attention backend class for ``name`` (None or "sdpa" -> ``SDPABackend``, the portable default)."""
-    if name is None or name.lower() == "sdpa":
+    """The attention backend class for ``name``; None -> the current hardware profile's attention backend family
+    ("standard" -> ``SDPABackend``, "compat310p" -> ``A310PBackend``)."""
+    if name is None:
+        from ascent.platform.device_config import get_current_profile
+
+        name = str(get_current_profile().attention_backend)
+    key = name.lower()
+    if key in ("sdpa", "standard"):
         from ascent.attention.backends.sdpa import SDPABackend
 
         return SDPABackend
-    raise ValueError(f"unknown attention backend {name!r} (available: 'sdpa')")
+    if key == "compat310p":
+        from ascent.attention.backends.a310p import A310PBackend
+
+        return A310PBackend
+    raise ValueError(f"unknown attention backend {name!r} (available: 'sdpa'/'standard', 'compat310p')")
 
 
 class Attention(nn.Module):

@@ -11,6 +11,8 @@ from ascent.core.kv_cache.manager import KVCacheManager
 from ascent.core.request import Request, RequestStatus
 from ascent.core.scheduler import Scheduler, SchedulerStats
 from ascent.core.sched_output import EngineCoreOutput
+from ascent.platform.device_config import check_platform, describe, set_current_profile
+from ascent.platform.profile import HardwareCapability
 from ascent.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -20,6 +22,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         cc, mc = config.cache_config, config.model_config
+        profile = config.device_config.profile
+        check_platform(profile, config.device_config.device, mc.torch_dtype)
+        set_current_profile(profile)  # read by layer/backend selection while the model is built
+        logger.info("%s", describe(profile, config.device_config.device, mc.torch_dtype))
         self.worker = Worker(config)
         self.worker.load_model()
         num_blocks = self.worker.determine_num_blocks()
@@ -31,7 +37,8 @@ class EngineCore:
             enable_caching=cc.enable_prefix_caching,
         )
         self.block_hasher = make_block_hasher(cc.block_size) if cc.enable_prefix_caching else None
-        self.scheduler = Scheduler(config.scheduler_config, cc, mc.max_model_len, self.kv_cache_manager)
+        self.scheduler = Scheduler(config.scheduler_config, cc, mc.max_model_len, self.kv_cache_manager,
+                                   zero_new_blocks=profile.supports(HardwareCapability.COMPATIBILITY_OP_IMPLEMENTATIONS))
         self.timings = dict(self.worker.timings)
 
     @property

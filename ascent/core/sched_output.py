@@ -47,6 +47,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     num_common_prefix_blocks: int = 0
+    # blocks allocated since the previous step whose pages the worker must zero before the forward (§2.10)
+    new_block_ids_to_zero: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -87,6 +87,7 @@ class Scheduler:
         max_model_len: int,
         kv_cache_manager: KVCacheManager,
         num_lookahead_tokens: int = 0,
+        zero_new_blocks: bool = False,
     ) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
@@ -94,6 +95,7 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_scheduled_tokens = int(scheduler_config.max_num_batched_tokens or 2048)
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.zero_new_blocks = zero_new_blocks
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
@@ -202,6 +204,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
+            new_block_ids_to_zero=self.kv_cache_manager.take_new_block_ids() if self.zero_new_blocks else [],
         )
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n

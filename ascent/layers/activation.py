@@ -18,5 +18,12 @@ class SiluAndMul(nn.Module):
 def get_act_and_mul(hidden_act: str) -> nn.Module:
     """The gated activation for a config's ``hidden_act``; raises ValueError for unsupported names."""
     if hidden_act in ("silu", "swish"):
+        from ascent.platform.device_config import get_current_profile
+        from ascent.platform.profile import HardwareCapability
+
+        if get_current_profile().supports(HardwareCapability.COMPATIBILITY_OP_IMPLEMENTATIONS):
+            from ascent.layers.activation_compat import SiluAndMulComposed
+
+            return SiluAndMulComposed()
         return SiluAndMul()
     raise ValueError(f"unsupported hidden_act {hidden_act!r} (supported: 'silu')")

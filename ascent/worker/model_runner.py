@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ascent.attention.backend import CommonAttentionMetadata
+from ascent.attention.backend import CommonAttentionMetadata, make_metadata_builder
 from ascent.attention.layer import Attention
 from ascent.config import EngineConfig
 from ascent.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
@@ -20,6 +20,7 @@ from ascent.sample.metadata import SamplingMetadata
 from ascent.sample.rng import make_generator
 from ascent.sample.sampler import Sampler
 from ascent.worker.input_batch import InputBatch
+from ascent.worker.kv_zeroing import zero_new_blocks
 
 
 @dataclass
@@ -43,8 +44,9 @@ class ModelRunner:
         self.max_model_len = self.model_config.max_model_len
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
-        # CPU: one host uniform per row + inverse CDF is exact and ~3x cheaper than a [B, V] exponential race.
-        self.rng_placement = "host_cdf" if self.device.type == "cpu" else "device"
+        self.profile = config.device_config.profile
+        # cpu / 310p profiles: one host uniform per row + inverse CDF (exact, ~3x cheaper than a [B, V] race on CPU)
+        self.rng_placement = str(self.profile.rng_placement)
         generator = make_generator(self.model_config.seed, self.rng_placement, self.device)
         self.sampler = Sampler(rng_placement=self.rng_placement, generator=generator)
         self.input_batch = InputBatch(
@@ -62,7 +64,10 @@ class ModelRunner:
         self._attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if not self._attn_layers:
             raise ValueError(f"model {mc.model!r} has no attention layers")
-        self._metadata_builder = self._attn_layers[0].backend.get_builder_cls()()
+        self._metadata_builder = make_metadata_builder(
+            self._attn_layers[0].backend, max_model_len=self.max_model_len,
+            max_num_seqs=self.config.scheduler_config.max_num_seqs,
+            chunked_prefill=self.config.scheduler_config.enable_chunked_prefill)
 
     def attention_layers(self) -> list[Attention]:
         return self._attn_layers
@@ -123,7 +128,7 @@ class ModelRunner:
             seq_lens=torch.from_numpy(seq_lens).to(dev),
             num_computed_tokens=torch.from_numpy(computed.astype(np.int32)).to(dev),
             block_table=block_table,
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev, self.profile.slot_mapping_dtype),
             query_start_loc_np=qsl,
             seq_lens_np=seq_lens,
             num_computed_tokens_np=computed.astype(np.int32),
@@ -150,6 +155,8 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         assert self.model is not None
+        if so.new_block_ids_to_zero:
+            zero_new_blocks(self.kv_caches, so.new_block_ids_to_zero)
         inp = self._prepare_inputs(so)
         attn_metadata = self._metadata_builder.build(inp.common)
         with set_forward_context(attn_metadata):

@@ -25,10 +25,27 @@ def test_flags_use_vllm_names_and_types():
     assert args.seed == 3 and args.hardware_profile == "cpu" and args.tensor_parallel_size == 1
 
 
-def test_defaults_match_vllm():
+def test_defaults_match_vllm(tiny_llama_dir):
     args = _parse([])
-    assert args.enable_prefix_caching is True and args.block_size == 16 and args.max_num_seqs == 256
+    assert args.enable_prefix_caching is True and args.block_size is None and args.max_num_seqs == 256
     assert args.dtype == "auto" and args.scheduling_policy == "fcfs"
+    config = EngineArgs(model=tiny_llama_dir).create_engine_config()
+    assert config.cache_config.block_size == 16 and config.device_config.profile.name == "cpu"
+
+
+def test_profile_drives_dtype_and_block_size(tiny_llama_dir):
+    import torch
+
+    config = EngineArgs(model=tiny_llama_dir, hardware_profile="310p").create_engine_config()
+    assert config.model_config.torch_dtype == torch.float16  # fp16-only family
+    assert config.cache_config.block_size == 128  # the 310P kernels' block size
+    with pytest.raises(ValueError, match="bfloat16"):
+        EngineArgs(model=tiny_llama_dir, hardware_profile="310p", dtype="bfloat16").create_engine_config()
+    with pytest.raises(ValueError, match="block_size=16"):
+        EngineArgs(model=tiny_llama_dir, hardware_profile="310p", block_size=16).create_engine_config()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda"):
+            EngineArgs(model=tiny_llama_dir, hardware_profile="cuda").create_engine_config()
 
 
 @pytest.mark.parametrize("text,expected", [("1024", 1024), ("2GiB", 2 << 30), ("1.5g", int(1.5 * (1 << 30))),
@@ -49,6 +66,7 @@ def test_parse_size_rejects_garbage():
     (lambda: SchedulerConfig(max_num_batched_tokens=-5), "max_num_batched_tokens=-5"),
     (lambda: SchedulerConfig(scheduling_policy="lifo"), "lifo"),
     (lambda: DeviceConfig(hardware_profile="tpu"), "tpu"),
+    (lambda: DeviceConfig(num_threads=0), "num_threads=0"),
 ])
 def test_invalid_config_values_name_the_value(factory, bad):
     with pytest.raises(ValueError, match=bad):
