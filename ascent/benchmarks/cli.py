@@ -26,7 +26,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
                        help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    group.add_argument("--dtype", default="bfloat16",
+    group.add_argument("--hardware-profile", default="auto", choices=("auto", "cpu", "cuda", "a2", "a3", "310p", "a5"),
+                       help="hardware family profile of the engine")
+    group.add_argument("--dtype", default="auto",
                        choices=("auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16"),
                        help="serving dtype (also used by the HF peer and the roofline calibration)")
     group.add_argument("--max-num-seqs", type=positive_int, default=None, help="engine max running sequences")
@@ -52,6 +54,9 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``ascent bench throughput`` (B1)."""
     _add_common_args(parser)
     parser.add_argument("--num-prompts", type=positive_int, default=64, help="number of requests")
+    parser.add_argument("--compare-profile", default=None, choices=("cpu", "cuda", "a2", "a3", "310p", "a5"),
+                        help="also run the same workload under this hardware profile (its default dtype when "
+                             "--dtype is not allowed there) and report the ratio")
     parser.add_argument("--input-len", type=positive_int, default=None, help="fixed prompt length")
     parser.add_argument("--output-len", type=positive_int, default=None, help="fixed output length")
     parser.add_argument("--random-input-len-range", default=None,

@@ -38,7 +38,8 @@ def build_llm(args: argparse.Namespace, max_model_len: int, **overrides: Any) ->
     from ascent import LLM
 
     kwargs: dict[str, Any] = {"dtype": args.dtype, "max_model_len": max_model_len, "seed": args.seed,
-                              "disable_log_stats": True}
+                              "disable_log_stats": True,
+                              "hardware_profile": getattr(args, "hardware_profile", None) or "auto"}
     for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "num_threads"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
@@ -109,6 +110,9 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         produced = engine_generate(llm, requests, args.temperature, not args.disable_detokenize)
     lengths = length_summary(requests)
     result: dict[str, Any] = throughput_metrics(timer.elapsed, len(requests), lengths["total_input_tokens"], produced)
+    if getattr(args, "compare_profile", None):
+        result["profile_comparison"] = _run_other_profile(args, in_range[1] + out_range[1], requests, warmup,
+                                                          result, lengths["total_input_tokens"])
     peer = None
     if not args.no_peer:
         pin_threads(threads)
@@ -136,6 +140,28 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         write_json(args.output_json, result)
     print(format_summary(result))
     return result
+
+
+def _run_other_profile(args: argparse.Namespace, max_model_len: int, requests: list[BenchRequest],
+                       warmup: list[BenchRequest], ours: dict[str, Any], input_tokens: int) -> dict[str, Any]:
+    """The same workload under ``--compare-profile`` in this process; ``ratio`` = main run / this run."""
+    from ascent.platform.device_config import get_hardware_profile, parse_dtype
+
+    profile = get_hardware_profile(args.compare_profile)
+    dtype = args.dtype
+    if dtype != "auto" and not profile.allows_dtype(parse_dtype(dtype)):
+        dtype = "auto"
+    other = build_llm(args, max_model_len, hardware_profile=args.compare_profile, dtype=dtype)
+    engine_generate(other, warmup, args.temperature, not args.disable_detokenize)
+    with Timer() as timer:
+        produced = engine_generate(other, requests, args.temperature, not args.disable_detokenize)
+    metrics = throughput_metrics(timer.elapsed, len(requests), input_tokens, produced)
+    metrics.update({
+        "hardware_profile": args.compare_profile,
+        "dtype": dtype_name(other.llm_engine.config.model_config.torch_dtype),
+        "ratio": safe_ratio(ours["output_tokens_per_second"], metrics["output_tokens_per_second"]),
+    })
+    return metrics
 
 
 def _config_record(args: argparse.Namespace, in_range: tuple[int, int], out_range: tuple[int, int], threads: int,
@@ -171,6 +197,10 @@ def format_summary(result: dict[str, Any]) -> str:
                  f"GEMM {_fmt(cal['gemm_gflops'])} GFLOP/s  decode ceiling at B={ceil.get('batch_size', 'n/a')}: "
                  f"{_fmt(ceil.get('ceiling_tok_s'))} tok/s  fraction of compute roof "
                  f"{_fmt(roof['achieved_fraction_of_compute_roofline'], '.3f')}")
+    other = result.get("profile_comparison")
+    if other:
+        lines.append(f"  profile {other['hardware_profile']} ({other['dtype']}): {_fmt(other['output_tokens_per_second'])} "
+                     f"output tok/s  ratio main/{other['hardware_profile']} = {_fmt(other['ratio'])}")
     if result["env"]["load_warning"]:
         lines.append(f"  WARNING: 1-minute load {result['env']['loadavg'][0]:.2f} exceeds half the cores; "
                      "timings are unreliable")

@@ -46,7 +46,7 @@ def _check_env_and_roofline(data: dict) -> None:
 
 def test_throughput_smoke(tiny_llama_dir: str, tmp_path) -> None:
     out = tmp_path / "throughput.json"
-    args = _parse(["bench", "throughput", "--model", tiny_llama_dir, "--num-prompts", "4",
+    args = _parse(["bench", "throughput", "--model", tiny_llama_dir, "--num-prompts", "4", "--dtype", "bfloat16",
                    "--random-input-len-range", "4,12", "--random-output-len-range", "3,8", "--num-threads", "1",
                    "--peer-batch-size", "2", "--max-num-seqs", "4", "--output-json", str(out), *TINY_ROOFLINE])
     returned = args.func(args)
@@ -66,6 +66,20 @@ def test_throughput_smoke(tiny_llama_dir: str, tmp_path) -> None:
     assert data["roofline"]["ceilings"]["batch_size"] == 4
     assert data["env"]["num_threads"] == 1 and data["dtype"] == "bfloat16"
     _check_env_and_roofline(data)
+
+
+def test_throughput_profile_comparison(tiny_llama_dir: str, tmp_path) -> None:
+    out = tmp_path / "profiles.json"
+    args = _parse(["bench", "throughput", "--model", tiny_llama_dir, "--num-prompts", "3", "--hardware-profile",
+                   "310p", "--compare-profile", "cpu", "--random-input-len-range", "4,12",
+                   "--random-output-len-range", "3,6", "--num-threads", "1", "--no-peer", "--output-json", str(out),
+                   *TINY_ROOFLINE])
+    args.func(args)
+    data = json.loads(out.read_text())
+    other = data["profile_comparison"]
+    assert data["dtype"] == "float16" and other["hardware_profile"] == "cpu" and other["dtype"] == "float32"
+    assert other["total_output_tokens"] == data["total_output_tokens"] == data["requested"]["total_output_tokens"]
+    assert other["ratio"] == pytest.approx(data["output_tokens_per_second"] / other["output_tokens_per_second"])
 
 
 def test_latency_smoke(tiny_llama_dir: str, tmp_path) -> None:
@@ -143,7 +157,8 @@ def test_datasets_and_common(tmp_path) -> None:
 def test_cli_defaults_follow_vllm_names() -> None:
     args = _parse(["bench", "throughput"])
     assert (args.model, args.dtype, args.num_prompts, args.peer_batch_size, args.temperature) == (
-        None, "bfloat16", 64, 16, 0.6)
+        None, "auto", 64, 16, 0.6)
+    assert args.hardware_profile == "auto" and args.compare_profile is None
     assert args.input_len is None and args.random_input_len_range is None and callable(args.func)
     args = _parse(["bench", "latency"])
     latency_defaults = (args.batch_size, args.input_len, args.output_len, args.num_iters, args.num_iters_warmup)
