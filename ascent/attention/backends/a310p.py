@@ -20,6 +20,7 @@ all rows form one causal sequence, no cache access — the SDPA backend's contra
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -257,7 +258,7 @@ class A310PImpl(AttentionImpl):
         md = attn_metadata
         k_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
         v_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
-        self._write(k, v, k_cache, v_cache, md)
+        self._write(k, v, kv_cache, md)
         out = q.new_zeros(q.shape[0], self.num_heads * self.head_size)
         request_masks, decode_mask = md.masks(q.dtype, self.sliding_window)
         if md.state == A310PAttentionState.PREFILL_NO_CACHE:
@@ -268,16 +269,13 @@ class A310PImpl(AttentionImpl):
         self._forward_splitfuse(q, k_cache, v_cache, md, request_masks, out)
         return out
 
-    def _write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               md: A310PMetadata) -> None:
+    def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: A310PMetadata) -> None:
+        """KV write through the 310P device adaptor (host-planned block/offset pairs, no fused scatter kernel)."""
         k = k.reshape(-1, self.num_kv_heads, self.head_size)
         v = v.reshape(-1, self.num_kv_heads, self.head_size)
         if md.write_rows is not None:
             k, v = k.index_select(0, md.write_rows), v.index_select(0, md.write_rows)
-        else:
-            k, v = k[: md.write_slots.shape[0]], v[: md.write_slots.shape[0]]
-        k_cache.index_copy_(0, md.write_slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, md.write_slots, v.to(v_cache.dtype))
+        _compat_adaptor().reshape_and_cache(k, v, kv_cache[0], kv_cache[1], md.write_slots)
 
     def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
         """``[L, num_heads*d]`` -> ``[1, num_heads, L, d]``."""
@@ -344,3 +342,10 @@ class A310PBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[A310PImpl]:
         return A310PImpl
+
+
+@functools.lru_cache(maxsize=1)
+def _compat_adaptor() -> "A310PDeviceAdaptor":
+    from ascent.platform.adaptor import A310PDeviceAdaptor
+
+    return A310PDeviceAdaptor()
