@@ -61,7 +61,7 @@ class ModelRunner:
     def load_model(self) -> None:
         mc = self.model_config
         self.model = get_model(mc.model, mc.hf_config, self.dtype, self.device, self.config.load_config.load_format)
-        self._attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self._attn_layers = [m for m in self.model.modules() if _is_kv_layer(m)]
         if not self._attn_layers:
             raise ValueError(f"model {mc.model!r} has no attention layers")
         self._metadata_builder = make_metadata_builder(
@@ -73,9 +73,11 @@ class ModelRunner:
         return self._attn_layers
 
     def kv_cache_bytes_per_block(self) -> int:
+        """Bytes of one block summed over layers, from each backend's own cache shape (K+V pages, MLA latents, ...)."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return sum(
-            2 * self.block_size * layer.num_kv_heads * layer.head_size * elem for layer in self.attention_layers()
+            math.prod(layer.backend.get_kv_cache_shape(1, self.block_size, layer.num_kv_heads, layer.head_size)) * elem
+            for layer in self.attention_layers()
         )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -233,3 +235,8 @@ def _allocate_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     if device.type == "cpu" and math.prod(shape) * torch.tensor([], dtype=dtype).element_size() >= 64 << 20:
         return torch.empty(shape, dtype=dtype, device=device)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _is_kv_layer(module: torch.nn.Module) -> bool:
+    """Modules that own a paged KV cache: ``Attention`` and attention-like layers such as MLA (duck-typed)."""
+    return all(hasattr(module, a) for a in ("layer_name", "kv_cache", "backend", "num_kv_heads", "head_size"))
