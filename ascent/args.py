@@ -63,7 +63,11 @@ class EngineArgs:
     long_prefill_token_threshold: int = field(default=0, metadata=_opt("cap on one request's chunk (0 = off)"))
     scheduling_policy: str = field(default="fcfs", metadata=_opt("admission order", SCHEDULING_POLICIES))
     tensor_parallel_size: int = field(default=1, metadata=_opt("tensor parallel size", short="-tp"))
+    enable_expert_parallel: bool = field(default=False, metadata=_opt(
+        "shard MoE experts across the TP ranks (expert parallelism) instead of slicing each expert"))
     load_format: str = field(default="auto", metadata=_opt("weight loader", LOAD_FORMATS))
+    speculative_config: str | dict | None = field(default=None, metadata=_opt(
+        "speculative decoding JSON with vLLM's keys, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'"))
     hardware_profile: str = field(default="auto", metadata=_opt("hardware family profile", HARDWARE_PROFILES))
     num_threads: int | None = field(default=None, metadata=_opt("torch intra-op threads (default: torch's)"))
     enforce_eager: bool = field(default=True, metadata=_opt("run eagerly (no graph capture / compile)"))
@@ -132,10 +136,12 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 scheduling_policy=self.scheduling_policy,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                           enable_expert_parallel=self.enable_expert_parallel),
             load_config=LoadConfig(load_format=self.load_format),
             device_config=device_config,
             disable_log_stats=self.disable_log_stats,
+            speculative_config=_parse_speculative_config(self.speculative_config),
         )
         config.finalize()
         return config
@@ -158,6 +164,16 @@ def _resolve_block_size(profile: Any, requested: int | None) -> int:
     if requested is None:
         return profile.kernel_block_sizes[0] if profile.kernel_block_sizes else 16
     return profile.check_block_size(requested)
+
+
+def _parse_speculative_config(value: Any) -> Any:
+    if value is None or value == "":
+        return None
+    from ascent.spec_decode.base import SpeculativeConfig
+
+    if isinstance(value, SpeculativeConfig):
+        return value
+    return SpeculativeConfig.from_json(value)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -96,11 +96,24 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
+    """TP ranks shard attention/MLP weights; with ``enable_expert_parallel`` the same ranks form the EP group and
+    hold disjoint experts (vLLM's rule: EP size = TP size x DP size)."""
+
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    data_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        _require(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
-                 "only 1 is supported by this build (multi-process TP arrives with the distributed executor)")
+        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                 "tensor_parallel_size", self.tensor_parallel_size, "must be an integer >= 1")
+        _require(self.data_parallel_size == 1, "data_parallel_size", self.data_parallel_size,
+                 "data-parallel engines are not part of this build; use tensor/expert parallelism")
+        _require(self.distributed_timeout_s > 0, "distributed_timeout_s", self.distributed_timeout_s, "must be > 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
 
 
 @dataclass
@@ -140,6 +153,7 @@ class EngineConfig:
     load_config: LoadConfig
     device_config: DeviceConfig
     disable_log_stats: bool = False
+    speculative_config: Any = None  # ascent.spec_decode.base.SpeculativeConfig when speculation is on
 
     def finalize(self) -> None:
         """Cross-field checks once the model's limits are known."""

@@ -13,7 +13,7 @@ import heapq
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ascent.config import CacheConfig, SchedulerConfig
 from ascent.core.kv_cache.manager import KVCacheManager
@@ -37,6 +37,27 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0  # since the previous stats call
+    spec_decoding: "SpecDecodingStats | None" = None  # since the previous stats call (None without speculation)
+
+
+@dataclass
+class SpecDecodingStats:
+    """Draft verification counts: acceptance rate = accepted / draft tokens; mean acceptance length =
+    1 + accepted / drafts; ``accepted_per_pos[i]`` counts drafts whose position i was accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
 
 
 class WaitingQueue:
@@ -103,6 +124,8 @@ class Scheduler:
         self._num_preemptions = 0
         self.num_preemptions_total = 0
         self._capped: list[Request] = []
+        self._spec_stats = SpecDecodingStats()
+        self.spec_stats_total = SpecDecodingStats()  # cumulative, for benchmarks and tests
 
     # ------------------------------------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -297,6 +320,8 @@ class Scheduler:
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts and sampled:
                 request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+                self._spec_stats.observe(len(drafts), len(sampled) - 1)
+                self.spec_stats_total.observe(len(drafts), len(sampled) - 1)
             new_tokens: list[int] = []
             stopped = False
             for token in sampled:
@@ -334,8 +359,10 @@ class Scheduler:
             prefix_cache_queries=prefix.queries if prefix else 0,
             prefix_cache_hits=prefix.hits if prefix else 0,
             num_preemptions=self._num_preemptions,
+            spec_decoding=self._spec_stats if self._spec_stats.num_drafts else None,
         )
         self._num_preemptions = 0
+        self._spec_stats = SpecDecodingStats()
         return stats
 
     def reset_prefix_cache(self) -> bool:
