@@ -1,19 +1,47 @@
-"""Parallel groups and collectives (tensor parallelism for now)."""
+"""Parallel groups (world / TP / DP / EP), the process-group reuse registry, collectives and a side-channel group."""
 
 from ascent.distributed.parallel_state import (
+    GroupCoordinator,
+    create_rendezvous_store,
+    destroy_distributed_environment,
+    destroy_model_parallel,
+    expert_parallel_enabled,
+    get_dp_group,
+    get_ep_group,
+    get_pg_registry,
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
+    get_tp_group,
+    get_world_group,
+    init_distributed_environment,
     init_tensor_parallel,
+    initialize_model_parallel,
+    model_parallel_is_initialized,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
+    tensor_model_parallel_reduce_scatter,
 )
 
 __all__ = [
+    "GroupCoordinator",
+    "create_rendezvous_store",
+    "destroy_distributed_environment",
+    "destroy_model_parallel",
+    "expert_parallel_enabled",
+    "get_dp_group",
+    "get_ep_group",
+    "get_pg_registry",
     "get_tensor_model_parallel_group",
     "get_tensor_model_parallel_rank",
     "get_tensor_model_parallel_world_size",
+    "get_tp_group",
+    "get_world_group",
+    "init_distributed_environment",
     "init_tensor_parallel",
+    "initialize_model_parallel",
+    "model_parallel_is_initialized",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
+    "tensor_model_parallel_reduce_scatter",
 ]

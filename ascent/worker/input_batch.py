@@ -116,3 +116,12 @@ class InputBatch:
         self.block_table.clear_row(last)
         self.req_ids.pop()
         self.num_tokens[last] = 0
+
+
+def write_drafts(batch: InputBatch, spec_tokens: dict[str, list[int]]) -> None:
+    """Place this step's draft tokens right after each request's committed tokens (inputs, not outputs: ``num_tokens``
+    is unchanged, so accepted tokens later overwrite them in place)."""
+    for req_id, drafts in spec_tokens.items():
+        row = batch.req_id_to_index[req_id]
+        n = int(batch.num_tokens[row])
+        batch.token_ids[row, n : n + len(drafts)] = drafts

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,8 +20,11 @@ from ascent.sample.logprobs import compute_logprobs_tensors
 from ascent.sample.metadata import SamplingMetadata
 from ascent.sample.rng import make_generator
 from ascent.sample.sampler import Sampler
-from ascent.worker.input_batch import InputBatch
+from ascent.worker.input_batch import InputBatch, write_drafts
 from ascent.worker.kv_zeroing import zero_new_blocks
+
+if TYPE_CHECKING:
+    from ascent.worker.spec_decode import SpecDecodeRunner
 
 
 @dataclass
@@ -56,6 +60,12 @@ class ModelRunner:
             device=self.device,
             vocab_size=self.model_config.vocab_size,
         )
+        spec_config = getattr(config, "speculative_config", None)
+        self.spec: SpecDecodeRunner | None = None
+        if spec_config is not None:
+            from ascent.worker.spec_decode import SpecDecodeRunner
+
+            self.spec = SpecDecodeRunner(spec_config, self.max_model_len, self.rng_placement, generator)
 
     # ------------------------------------------------------------------------------------------------ setup
     def load_model(self) -> None:
@@ -64,6 +74,8 @@ class ModelRunner:
         self._attn_layers = [m for m in self.model.modules() if _is_kv_layer(m)]
         if not self._attn_layers:
             raise ValueError(f"model {mc.model!r} has no attention layers")
+        if self.spec is not None:
+            self.spec.load_model(self.model)
         self._metadata_builder = make_metadata_builder(
             self._attn_layers[0].backend, max_model_len=self.max_model_len,
             max_num_seqs=self.config.scheduler_config.max_num_seqs,
@@ -94,13 +106,19 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             batch.remove_request(req_id)
+            if self.spec is not None:
+                self.spec.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             seed = new.sampling_params.seed
             gen = make_generator(seed, self.rng_placement, self.device) if seed is not None else None
             batch.add_request(new, gen)
+            if self.spec is not None:
+                self.spec.add_request(new.req_id, new.prompt_token_ids, new.output_token_ids)
         cached = so.scheduled_cached_reqs
         for req_id, blocks, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             batch.update_request(req_id, blocks, computed)
+        if so.scheduled_spec_decode_tokens:
+            write_drafts(batch, so.scheduled_spec_decode_tokens)
 
     # ------------------------------------------------------------------------------------------------ inputs
     def _prepare_inputs(self, so: SchedulerOutput) -> PreparedInputs:
@@ -158,28 +176,34 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         assert self.model is not None
         if so.new_block_ids_to_zero:
-            zero_new_blocks(self.kv_caches, so.new_block_ids_to_zero)
+            zero_new_blocks(self.kv_caches, so.new_block_ids_to_zero,
+                            block_dim=self._attn_layers[0].backend.kv_cache_block_dim())
         inp = self._prepare_inputs(so)
         attn_metadata = self._metadata_builder.build(inp.common)
         with set_forward_context(attn_metadata):
             hidden = self.model(inp.input_ids, inp.positions)
         # Only requests whose known tokens are all computed sample; a partial prefill chunk does not (its logits
         # are never computed and its generator does not advance).
-        sampling = np.nonzero(inp.common.seq_lens_np >= self.input_batch.num_tokens[inp.rows])[0]
+        drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in inp.req_ids]
+        num_drafts = np.fromiter((len(d) for d in drafts), dtype=np.int32, count=len(drafts))
+        sampling = np.nonzero(inp.common.seq_lens_np - num_drafts >= self.input_batch.num_tokens[inp.rows])[0]
         output = ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in inp.req_ids])
-        if len(sampling):
+        if len(sampling) and num_drafts[sampling].any():
+            self._verify_drafts(inp, sampling, hidden, [drafts[i] for i in sampling], output)
+        elif len(sampling):
             last_idx = torch.from_numpy(inp.query_start_loc[sampling + 1].astype(np.int64) - 1).to(self.device)
             logits = self.model.compute_logits(hidden[last_idx])
             self._sample(inp, sampling, logits, output)
+        if self.spec is not None and len(sampling):
+            req_ids = [inp.req_ids[i] for i in sampling]
+            output.spec_token_ids = self.spec.propose(self.input_batch, req_ids,
+                                                      [output.sampled_token_ids[i] for i in sampling])
         self._prompt_logprobs(inp, hidden, output)
         return output
 
-    def _sample(self, inp: PreparedInputs, sampling: np.ndarray, logits: torch.Tensor,
-                output: ModelRunnerOutput) -> None:
-        batch = self.input_batch
-        states = [batch.states[inp.req_ids[i]] for i in sampling]
+    def _sampling_metadata(self, states: list) -> SamplingMetadata:
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        metadata = SamplingMetadata.from_requests(
+        return SamplingMetadata.from_requests(
             [s.sampling_params for s in states],
             [s.prompt_token_ids for s in states],
             [s.output_token_ids for s in states],
@@ -187,6 +211,36 @@ class ModelRunner:
             self.model_config.vocab_size,
             self.device,
         )
+
+    def _verify_drafts(self, inp: PreparedInputs, sampling: np.ndarray, hidden: torch.Tensor,
+                       drafts: list[list[int]], output: ModelRunnerOutput) -> None:
+        """Score each sampling request's ``k_i + 1`` last positions and keep what the rejection sampler accepts."""
+        assert self.spec is not None
+        batch = self.input_batch
+        states = [batch.states[inp.req_ids[i]] for i in sampling]
+        ends = inp.query_start_loc[sampling + 1].astype(np.int64)
+        rows = np.concatenate([np.arange(e - len(d) - 1, e) for e, d in zip(ends, drafts)])
+        logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
+        accepted = self.spec.verify(drafts, logits, self._sampling_metadata(states),
+                                    [s.sampling_params.min_tokens for s in states])
+        offset = 0
+        for j, i in enumerate(sampling):
+            tokens = accepted[j]
+            for t in tokens:
+                batch.append_token(int(inp.rows[i]), t)
+            output.sampled_token_ids[i] = tokens
+            num = states[j].sampling_params.logprobs
+            if num is not None:
+                lp = compute_logprobs_tensors(logits[offset : offset + len(tokens)],
+                                              torch.tensor(tokens, device=self.device), num)
+                output.logprobs[inp.req_ids[i]] = [_trim_entry(e, num) for e in lp.to_entries()]
+            offset += len(drafts[j]) + 1
+
+    def _sample(self, inp: PreparedInputs, sampling: np.ndarray, logits: torch.Tensor,
+                output: ModelRunnerOutput) -> None:
+        batch = self.input_batch
+        states = [batch.states[inp.req_ids[i]] for i in sampling]
+        metadata = self._sampling_metadata(states)
         out = self.sampler(logits, metadata)
         tokens = out.sampled_token_ids.view(-1).tolist()
         entries = out.logprobs_tensors.to_entries() if out.logprobs_tensors is not None else None

@@ -87,3 +87,14 @@ def test_smollm2_profiles_agree():
         assert max(abs(a - b) for a, b in zip(rl, gl)) <= 3e-2
     bf_ref, _ = _run(None, "cpu", "bfloat16", prompts)
     assert _run(None, "a3", "bfloat16", prompts)[0] == bf_ref
+
+
+def test_310p_zeroing_respects_the_mla_cache_layout(tmp_path):
+    """MLA caches index blocks on dim 0; zeroing new blocks must not touch other blocks' rows (found in review)."""
+    from tests.fixtures.tiny_deepseek import build_deepseek
+
+    model = str(build_deepseek("v2", tmp_path / "ds"))
+    prompts = random_prompts(4, 512, 55, 62, seed=3)
+    ref, _ = _run(model, "cpu", "float16", prompts, block_size=64)
+    got, _ = _run(model, "310p", "auto", prompts, block_size=64)
+    assert got == ref

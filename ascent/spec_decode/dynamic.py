@@ -1,0 +1,178 @@
+"""Dynamic speculation: batch-size schedules and the DynamicSpecScheduler (per-request draft lengths).
+
+Batch-size schedule (vLLM ``num_speculative_tokens_per_batch_size``): inclusive ranges ``[start, end, K]`` that must
+start at 1 and not overlap; gaps and the tail inherit the previous K; K is clamped to the configured maximum.
+
+DynamicSpecScheduler (vLLM Ascend's, for DFlash/DSpark; here fed by any per-position acceptance estimate): for
+``token_probs [B, D]`` (estimated P(draft i accepted | prefix accepted)), ``survival = cumprod`` is the probability
+that the prefix through position i is accepted. Every request keeps ``min_k`` drafts; the remaining shared budget
+``B * (budget_k - min_k)`` goes to the globally largest survival values in columns ``>= min_k`` (a prefix per row,
+since survival is non-increasing). Every ``budget_update_interval`` steps ``budget_k`` becomes
+``ceil(#(survival >= budget_threshold) / B)``, bumped to the next odd value when even and ``< D``, clamped to
+``[min_k, D]``. ``AcceptanceStats`` turns verification outcomes of model-free proposers into ``token_probs``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+Schedule = list[tuple[int, int, int]]
+
+
+def validate_batch_size_schedule(schedule: Any) -> Schedule:
+    """Normalize ``[[start, end, K], ...]`` (sorted by start); ValueError naming the offending entry."""
+    name = "num_speculative_tokens_per_batch_size"
+    if not isinstance(schedule, (list, tuple)) or not schedule:
+        raise ValueError(f"{name}={schedule!r} is invalid: must be a non-empty list of [start, end, K] entries")
+    parsed: Schedule = []
+    for entry in schedule:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in entry):
+            raise ValueError(f"{name} entry {entry!r} is invalid: must be 3 integers [start, end, K]")
+        start, end, k = entry
+        if start <= 0 or end < start or k < 0:
+            raise ValueError(f"{name} entry {list(entry)} is invalid: need 1 <= start <= end and K >= 0")
+        parsed.append((start, end, k))
+    parsed.sort(key=lambda e: e[0])
+    if parsed[0][0] != 1:
+        raise ValueError(f"{name}={schedule!r} is invalid: the first range must start at batch size 1")
+    for prev, cur in zip(parsed, parsed[1:]):
+        if cur[0] <= prev[1]:
+            raise ValueError(f"{name} ranges {list(prev)} and {list(cur)} overlap")
+    return parsed
+
+
+def build_batch_size_lookup(schedule: Any, max_batch_size: int, max_k: int) -> list[int]:
+    """Dense lookup: ``lookup[batch_size]`` = K for ``1 <= batch_size <= max_batch_size``; ``lookup[0] = 0``.
+    Indexing past ``max_batch_size`` raises IndexError."""
+    if max_batch_size < 1 or max_k < 1:
+        raise ValueError(f"max_batch_size={max_batch_size}, max_k={max_k} are invalid: both must be >= 1")
+    lookup = [0] * (max_batch_size + 1)
+    ranges = validate_batch_size_schedule(schedule)
+    for i, (start, end, k) in enumerate(ranges):
+        stop = ranges[i + 1][0] - 1 if i + 1 < len(ranges) else max_batch_size
+        for bs in range(start, min(stop, max_batch_size) + 1):
+            lookup[bs] = min(k, max_k)
+    return lookup
+
+
+@dataclass(frozen=True)
+class DynamicSpecParams:
+    """vLLM Ascend ``dynamic_spec_config.method_params`` (defaults as there)."""
+
+    initial_verify_budget_per_req: int = 5
+    budget_update_interval: int = 16
+    budget_threshold: float = 0.3
+    min_verify_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        for name, lo in (("initial_verify_budget_per_req", 0), ("budget_update_interval", 1),
+                         ("min_verify_tokens", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name}={v!r} is invalid: must be an integer >= {lo}")
+        t = self.budget_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
+            raise ValueError(f"budget_threshold={t!r} is invalid: must be in [0, 1]")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> DynamicSpecParams:
+        unknown = sorted(set(values) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"dynamic_params has unknown keys {unknown}")
+        return cls(**values)
+
+
+class DynamicSpecScheduler:
+    """Per-request verify lengths within a shared budget (host numpy; one instance per engine)."""
+
+    def __init__(self, num_speculative_tokens: int, params: DynamicSpecParams | None = None) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} is invalid: must be >= 1")
+        self.params = params or DynamicSpecParams()
+        self.max_k = num_speculative_tokens
+        self.min_k = min(self.params.min_verify_tokens, self.max_k)
+        self.budget_k = max(self.min_k, min(self.params.initial_verify_budget_per_req, self.max_k))
+        self._steps_since_update = 0
+
+    def update(self, token_probs: np.ndarray) -> np.ndarray:
+        """``token_probs`` float ``[B, D]`` (D == num_speculative_tokens) -> keep lengths int32 ``[B]`` in
+        ``[min_k, D]`` with ``sum <= B * budget_k``. Advances the budget-update clock by one step."""
+        probs = np.clip(np.asarray(token_probs, dtype=np.float64), 1e-6, 1.0)
+        if probs.ndim != 2 or probs.shape[1] != self.max_k:
+            raise ValueError(f"token_probs shape {probs.shape} is invalid: expected [B, {self.max_k}]")
+        survival = np.cumprod(probs, axis=1)
+        self._maybe_update_budget(survival)
+        return self.allocate(survival)
+
+    def _maybe_update_budget(self, survival: np.ndarray) -> None:
+        self._steps_since_update += 1
+        if self._steps_since_update < self.params.budget_update_interval or survival.shape[0] == 0:
+            return
+        self._steps_since_update = 0
+        budget = math.ceil(float((survival >= self.params.budget_threshold).sum()) / survival.shape[0])
+        if budget % 2 == 0 and budget < self.max_k:
+            budget += 1
+        self.budget_k = max(self.min_k, min(budget, self.max_k))
+
+    def allocate(self, survival: np.ndarray) -> np.ndarray:
+        """Keep lengths for ``survival [B, D]`` under the current ``budget_k`` (ties -> earlier column, then row)."""
+        num_reqs, d = survival.shape
+        keep = np.full(num_reqs, self.min_k, dtype=np.int32)
+        window = survival[:, self.min_k:]
+        extra = min(num_reqs * max(self.budget_k - self.min_k, 0), window.size)
+        if extra > 0:
+            rows, cols = np.indices(window.shape)
+            order = np.lexsort((rows.ravel(), cols.ravel(), -window.ravel()))[:extra]
+            np.add.at(keep, rows.ravel()[order], 1)
+        return np.clip(keep, self.min_k, d).astype(np.int32)
+
+
+class AcceptanceStats:
+    """Per-request, per-position acceptance counts from verification; estimates for model-free proposers.
+
+    ``p_i(req) = (accepted_i + s * g_i) / (tried_i + s)`` with the global Laplace estimate
+    ``g_i = (all_accepted_i + 1) / (all_tried_i + 2)`` as prior of strength ``s = prior_strength``.
+    """
+
+    def __init__(self, num_speculative_tokens: int, prior_strength: float = 2.0) -> None:
+        if num_speculative_tokens < 1 or not prior_strength > 0:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens}, prior_strength={prior_strength} "
+                             "are invalid: need k >= 1 and a positive prior strength")
+        self.max_k = num_speculative_tokens
+        self.prior_strength = prior_strength
+        self._tried: dict[str, np.ndarray] = {}
+        self._accepted: dict[str, np.ndarray] = {}
+        self._all_tried = np.zeros(self.max_k, dtype=np.int64)
+        self._all_accepted = np.zeros(self.max_k, dtype=np.int64)
+
+    def record(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        """One verification: drafts ``0 .. num_accepted-1`` accepted, draft ``num_accepted`` (if any) rejected."""
+        if not 0 <= num_accepted <= num_drafts <= self.max_k:
+            raise ValueError(f"num_accepted={num_accepted}, num_drafts={num_drafts} are invalid for "
+                             f"k={self.max_k}: need 0 <= accepted <= drafts <= k")
+        tried = self._tried.setdefault(req_id, np.zeros(self.max_k, dtype=np.int64))
+        accepted = self._accepted.setdefault(req_id, np.zeros(self.max_k, dtype=np.int64))
+        reached = min(num_accepted + 1, num_drafts)
+        for arr, n in ((tried, reached), (accepted, num_accepted), (self._all_tried, reached),
+                       (self._all_accepted, num_accepted)):
+            arr[:n] += 1
+
+    def remove(self, req_id: str) -> None:
+        self._tried.pop(req_id, None)
+        self._accepted.pop(req_id, None)
+
+    def token_probs(self, req_ids: Sequence[str]) -> np.ndarray:
+        """float64 ``[len(req_ids), k]`` conditional acceptance estimates (unknown requests get the global one)."""
+        prior = (self._all_accepted + 1.0) / (self._all_tried + 2.0)
+        zeros = np.zeros(self.max_k, dtype=np.int64)
+        out = np.empty((len(req_ids), self.max_k), dtype=np.float64)
+        for i, r in enumerate(req_ids):
+            tried, acc = self._tried.get(r, zeros), self._accepted.get(r, zeros)
+            out[i] = (acc + self.prior_strength * prior) / (tried + self.prior_strength)
+        return out

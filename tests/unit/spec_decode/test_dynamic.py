@@ -1,0 +1,145 @@
+"""Dynamic speculation: batch-size schedule rules, the shared-budget allocator vs brute force, budget updates,
+and acceptance statistics driving per-request lengths."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ascent.spec_decode.dynamic import (AcceptanceStats, DynamicSpecParams, DynamicSpecScheduler,
+                                        build_batch_size_lookup, validate_batch_size_schedule)
+
+# ---------------------------------------------------------------------------------------------- batch-size schedule
+
+
+def test_schedule_lookup_gaps_tail_and_clamp():
+    lookup = build_batch_size_lookup([[1, 2, 5], [4, 6, 2], [10, 12, 0]], max_batch_size=14, max_k=4)
+    assert lookup[0] == 0
+    assert lookup[1:3] == [4, 4]  # K=5 clamped to the configured max 4
+    assert lookup[3] == 4  # gap inherits the previous K
+    assert lookup[4:10] == [2] * 6  # 7..9 inherit 2
+    assert lookup[10:15] == [0] * 5  # tail inherits the last K
+    with pytest.raises(IndexError):
+        _ = lookup[15]
+
+
+def test_schedule_sorted_and_truncated_to_max_batch_size():
+    assert build_batch_size_lookup([[3, 100, 1], [1, 2, 3]], max_batch_size=4, max_k=3) == [0, 3, 3, 1, 1]
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ([], "non-empty"),
+    (None, "non-empty"),
+    ([[1, 2]], "3 integers"),
+    ([[1, 2, 3.5]], "3 integers"),
+    ([[0, 2, 1]], "1 <= start"),
+    ([[1, 2, -1]], "K >= 0"),
+    ([[3, 2, 1]], "start <= end"),
+    ([[2, 4, 1]], "start at batch size 1"),
+    ([[1, 4, 1], [4, 8, 2]], "overlap"),
+])
+def test_schedule_validation(bad, needle):
+    with pytest.raises(ValueError, match=needle):
+        validate_batch_size_schedule(bad)
+
+
+# ---------------------------------------------------------------------------------------------- allocator
+
+
+def _brute_best_sum(survival: np.ndarray, min_k: int, budget_k: int) -> float:
+    b, d = survival.shape
+    extra = b * max(budget_k - min_k, 0)
+    best = 0.0
+    for lens in itertools.product(range(min_k, d + 1), repeat=b):
+        if sum(lens) - b * min_k <= extra:
+            best = max(best, sum(float(survival[i, min_k:n].sum()) for i, n in enumerate(lens)))
+    return best
+
+
+@settings(max_examples=120, deadline=None)
+@given(b=st.integers(1, 3), d=st.integers(1, 4), min_k=st.integers(0, 2), budget=st.integers(0, 4),
+       data=st.data())
+def test_allocation_maximizes_selected_survival_within_budget(b, d, min_k, budget, data):
+    probs = np.array(data.draw(st.lists(st.floats(0.0, 1.0), min_size=b * d, max_size=b * d))).reshape(b, d)
+    sched = DynamicSpecScheduler(d, DynamicSpecParams(initial_verify_budget_per_req=budget, min_verify_tokens=min_k,
+                                                      budget_update_interval=10**6))
+    keep = sched.update(probs)
+    survival = np.cumprod(np.clip(probs, 1e-6, 1.0), axis=1)
+    lo = min(min_k, d)
+    assert keep.dtype == np.int32 and ((keep >= lo) & (keep <= d)).all()
+    assert keep.sum() <= b * max(sched.budget_k, lo)
+    got = sum(float(survival[i, lo:n].sum()) for i, n in enumerate(keep))
+    assert got == pytest.approx(_brute_best_sum(survival, lo, sched.budget_k), rel=1e-12, abs=1e-12)
+
+
+def test_initial_budget_and_min_k():
+    assert DynamicSpecScheduler(8).budget_k == 5
+    assert DynamicSpecScheduler(3).budget_k == 3
+    assert DynamicSpecScheduler(8, DynamicSpecParams(initial_verify_budget_per_req=0, min_verify_tokens=2)).budget_k \
+        == 2
+
+
+def test_budget_updates_on_the_interval_with_odd_bump():
+    sched = DynamicSpecScheduler(6, DynamicSpecParams(budget_update_interval=3, budget_threshold=0.5))
+    probs = np.array([[1.0, 1.0, 0.1, 1, 1, 1], [1.0, 1.0, 0.1, 1, 1, 1]])  # 2 positions >= 0.5 per row
+    sched.update(probs)
+    sched.update(probs)
+    assert sched.budget_k == 5  # unchanged before the 3rd step
+    keep = sched.update(probs)
+    assert sched.budget_k == 3  # ceil(2) = 2 is even and < D -> 3
+    assert keep.tolist() == [3, 3]
+    high = np.ones((2, 6))
+    for _ in range(3):
+        sched.update(high)
+    assert sched.budget_k == 6  # 6 is even but == D: no bump
+
+
+def test_shared_budget_goes_to_the_confident_request():
+    sched = DynamicSpecScheduler(4, DynamicSpecParams(initial_verify_budget_per_req=2, min_verify_tokens=1))
+    keep = sched.update(np.array([[0.9, 0.9, 0.9, 0.9], [0.2, 0.2, 0.2, 0.2]]))
+    assert keep.tolist() == [3, 1] and keep.sum() == 2 * sched.budget_k
+
+
+def test_update_rejects_wrong_width():
+    with pytest.raises(ValueError, match=r"shape \(1, 3\)"):
+        DynamicSpecScheduler(4).update(np.ones((1, 3)))
+
+
+# ---------------------------------------------------------------------------------------------- acceptance stats
+
+
+def test_acceptance_stats_counts_and_prior():
+    stats = AcceptanceStats(4, prior_strength=2.0)
+    stats.record("a", num_drafts=4, num_accepted=2)  # tried 0,1,2; accepted 0,1
+    stats.record("a", num_drafts=1, num_accepted=1)  # tried 0; accepted 0
+    tried, accepted = np.array([2, 1, 1, 0]), np.array([2, 1, 0, 0])  # "a" is the only request: global == own
+    g = (accepted + 1.0) / (tried + 2.0)
+    expected_a = (accepted + 2.0 * g) / (tried + 2.0)
+    np.testing.assert_allclose(stats.token_probs(["a", "new"]), np.stack([expected_a, g]), rtol=1e-12)
+    stats.remove("a")
+    np.testing.assert_allclose(stats.token_probs(["a"])[0], g, rtol=1e-12)
+    with pytest.raises(ValueError, match="num_accepted=3, num_drafts=2"):
+        stats.record("a", 2, 3)
+
+
+def test_lengths_follow_acceptance_statistics_within_budget():
+    k = 5
+    stats = AcceptanceStats(k)
+    sched = DynamicSpecScheduler(k, DynamicSpecParams(initial_verify_budget_per_req=3, budget_update_interval=4))
+    rng = np.random.default_rng(0)
+    rates = {"good": 0.95, "mid": 0.6, "bad": 0.1}
+    reqs = list(rates)
+    for _ in range(40):
+        keep = sched.update(stats.token_probs(reqs))
+        assert keep.sum() <= len(reqs) * sched.budget_k and ((keep >= 1) & (keep <= k)).all()
+        for r, n in zip(reqs, keep):
+            accepted = 0
+            while accepted < n and rng.random() < rates[r]:
+                accepted += 1
+            stats.record(r, int(n), accepted)
+    keep = dict(zip(reqs, sched.update(stats.token_probs(reqs))))
+    assert keep["good"] > keep["mid"] >= keep["bad"] and keep["bad"] == 1, keep

@@ -1,0 +1,203 @@
+"""SuffixTree / SuffixCache vs a brute-force substring index over the stored sequences."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from ascent.spec_decode.suffix_tree import SuffixCache, SuffixTree
+from tests.unit.spec_decode.reference import BruteSuffixIndex
+
+TOKENS = st.integers(0, 3)
+
+
+class TreeVsBruteForce(RuleBasedStateMachine):
+    """Random extend/remove on a few sequences; counts and drafts must equal the brute-force index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seqs: dict[int, list[int]] = {}
+
+    @initialize(depth=st.integers(1, 6))
+    def make_tree(self, depth):
+        self.depth = depth
+        self.tree = SuffixTree(depth)
+
+    @rule(seq_id=st.integers(0, 3), tokens=st.lists(TOKENS, max_size=8))
+    def extend(self, seq_id, tokens):
+        self.tree.extend(seq_id, tokens)
+        if tokens or seq_id in self.seqs:
+            self.seqs.setdefault(seq_id, []).extend(tokens)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def remove(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.tree.remove(seq_id)
+        del self.seqs[seq_id]
+
+    @rule(ctx=st.lists(TOKENS, max_size=7), max_tokens=st.integers(0, 6),
+          factor=st.sampled_from([0.5, 1.0, 2.0]), min_prob=st.sampled_from([0.0, 0.1, 0.4]))
+    def speculate(self, ctx, max_tokens, factor, min_prob):
+        ref = BruteSuffixIndex(list(self.seqs.values()), self.depth)
+        d = self.tree.speculate(ctx, max_tokens, factor, 0.0, min_prob)
+        assert (d.token_ids, d.score, d.match_len) == ref.speculate(ctx, max_tokens, factor, 0.0, min_prob)
+        assert len(d.probs) == len(d.token_ids) and all(p >= min_prob for p in d.probs)
+
+    @invariant()
+    def counts_match(self):
+        self.tree.check_integrity()
+        ref = BruteSuffixIndex(list(self.seqs.values()), self.depth)
+        for s, c in ref.counts.items():
+            assert self.tree.count(s) == c, (s, c)
+        for probe in ([0], [1, 2], [3, 3, 3], [0, 1, 2, 3]):
+            assert self.tree.count(probe) == ref.count(probe)
+        assert {k: v for k, v in self.tree.sequences.items() if v} == self.seqs
+
+
+TestTreeVsBruteForce = TreeVsBruteForce.TestCase
+TestTreeVsBruteForce.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+
+
+@settings(max_examples=150, deadline=None)
+@given(seqs=st.lists(st.lists(st.integers(0, 2), max_size=25), min_size=1, max_size=4), depth=st.integers(1, 7),
+       ctx=st.lists(st.integers(0, 2), max_size=10), max_tokens=st.integers(0, 8))
+def test_build_and_speculate_match_brute_force(seqs, depth, ctx, max_tokens):
+    tree = SuffixTree(depth)
+    for i, s in enumerate(seqs):
+        tree.extend(i, s)
+    tree.check_integrity()
+    ref = BruteSuffixIndex(seqs, depth)
+    assert all(tree.count(s) == c for s, c in ref.counts.items())
+    d = tree.speculate(ctx, max_tokens)
+    assert (d.token_ids, d.score, d.match_len) == ref.speculate(ctx, max_tokens)
+
+
+def test_depth_bound_limits_counts_and_drafts():
+    tree = SuffixTree(3)
+    tree.extend("a", [1, 2, 3, 4, 5, 6])
+    tree.check_integrity()
+    assert tree.count([1, 2, 3]) == 1 and tree.count([1, 2, 3, 4]) == 0
+    # match_len + draft length never exceeds the depth: [1] matched -> at most 2 more tokens
+    d = tree.speculate([9, 1], max_spec_tokens=10, max_spec_factor=10.0)
+    assert d.token_ids == [2, 3] and d.match_len == 1
+
+
+def test_counts_and_probabilities_from_frequencies():
+    tree = SuffixTree(8)
+    for i, s in enumerate([[1, 2, 3], [1, 2, 3], [1, 2, 4], [1, 5, 6]]):
+        tree.extend(i, s)
+    assert tree.count([1]) == 4 and tree.count([1, 2]) == 3 and tree.count([1, 2, 3]) == 2
+    d = tree.speculate([0, 1], max_spec_tokens=5, max_spec_factor=5.0, min_token_prob=0.0)
+    assert d.token_ids == [2, 3] and d.probs == [0.75, 0.75 * (2 / 3)] and d.match_len == 1
+
+
+def test_min_token_prob_cuts_the_chain():
+    tree = SuffixTree(8)
+    for i, s in enumerate([[1, 2, 3], [1, 2, 4], [1, 2, 5], [1, 2, 6]]):
+        tree.extend(i, s)
+    # after [1]: 2 has prob 1.0; then four-way split at 0.25 each (tie -> smallest id 3)
+    assert tree.speculate([0, 1], 5, 5.0, min_token_prob=0.3).token_ids == [2]
+    assert tree.speculate([0, 1], 5, 5.0, min_token_prob=0.25).token_ids == [2, 3]
+
+
+def test_spec_factor_and_offset_cap_the_draft_length():
+    tree = SuffixTree(16)
+    tree.extend(0, list(range(10)))
+    # context ends in [3, 4]: match lengths 1 and 2 both continue with 5, 6, 7, ...
+    assert tree.speculate([3, 4], 8, max_spec_factor=1.0).token_ids == [5]  # m=1 only (m < len(ctx))
+    assert tree.speculate([2, 3, 4], 8, max_spec_factor=1.0).token_ids == [5, 6]
+    assert tree.speculate([2, 3, 4], 8, max_spec_factor=2.0).token_ids == [5, 6, 7, 8]
+    assert tree.speculate([2, 3, 4], 8, max_spec_factor=2.0, max_spec_offset=1.0).token_ids == [5, 6, 7, 8, 9]
+    assert tree.speculate([2, 3, 4], 3, max_spec_factor=2.0).token_ids == [5, 6, 7]
+    assert tree.speculate([2, 3, 4], 8, max_spec_factor=0.0).token_ids == []
+
+
+def test_remove_repoints_shared_nodes():
+    tree = SuffixTree(6)
+    tree.extend("a", [1, 2, 3, 4])
+    tree.extend("b", [1, 2, 3, 5])
+    tree.remove("a")
+    tree.check_integrity()
+    assert tree.count([1, 2, 3]) == 1 and tree.count([1, 2, 3, 4]) == 0 and tree.count([2, 3, 5]) == 1
+    tree.extend("b", [1, 2, 3, 5])
+    tree.check_integrity()
+    assert tree.count([1, 2, 3, 5]) == 2
+    tree.remove("nope")  # unknown ids are ignored
+
+
+def _cache_with_responses(max_cached: int, eviction: str = "lru") -> SuffixCache:
+    cache = SuffixCache(max_tree_depth=8, max_cached_requests=max_cached, eviction=eviction)
+    for r in ("r0", "r1", "r2"):
+        cache.start_request(r, [100])
+        cache.add_active_response(r, [10, 11, 12])
+        cache.stop_request(r)
+    return cache
+
+
+def test_global_cache_bound_evicts_least_recently_updated():
+    cache = _cache_with_responses(max_cached=2)
+    assert cache.cached_requests == ["r1", "r2"]
+    assert cache.global_tree.count([10, 11]) == 2
+    cache.start_request("r3", [1])
+    assert cache.cached_requests == ["r2", "r3"] and cache.global_tree.count([10, 11]) == 1
+
+
+def test_lru_keeps_a_long_running_request_that_fifo_would_evict():
+    for eviction, survivor in (("lru", "old"), ("fifo", "new2")):
+        cache = SuffixCache(max_tree_depth=8, max_cached_requests=2, eviction=eviction)
+        cache.start_request("old", [1])
+        cache.start_request("new1", [1])
+        cache.add_active_response("old", [7, 7])
+        cache.start_request("new2", [1])
+        assert survivor in cache.cached_requests and len(cache.cached_requests) == 2, eviction
+        assert cache.global_tree.count([7, 7]) == (1 if eviction == "lru" else 0)
+
+
+def test_disabled_global_tree_and_restart_replaces_response():
+    cache = _cache_with_responses(max_cached=0)
+    assert cache.cached_requests == [] and cache.global_tree.count([10]) == 0
+    cache = _cache_with_responses(max_cached=10)
+    cache.start_request("r0", [5])  # same id again: its old response leaves the global tree
+    assert cache.global_tree.count([10, 11]) == 2
+
+
+def test_speculate_prefers_higher_score_tree_and_local_on_ties():
+    cache = SuffixCache(max_tree_depth=8, max_cached_requests=10)
+    for i in range(3):  # three past responses: "1 2 -> 3 4"
+        cache.start_request(f"past{i}", [0])
+        cache.add_active_response(f"past{i}", [1, 2, 3, 4])
+        cache.stop_request(f"past{i}")
+    cache.start_request("q", [1, 2, 9, 9, 1, 2, 8])  # own prompt: "1 2" -> 9 or 8 (0.5 each)
+    draft = cache.speculate("q", [5, 1, 2], max_spec_tokens=4, max_spec_factor=2.0, min_token_prob=0.1)
+    assert draft.token_ids == [3, 4]  # global: prob 1.0 path beats the local 0.5 branch
+
+
+def test_equal_scores_keep_the_prompt_tree_draft():
+    cache = SuffixCache(max_tree_depth=8, max_cached_requests=10)
+    cache.start_request("past", [0])
+    cache.add_active_response("past", [5, 2, 3])
+    cache.stop_request("past")
+    cache.start_request("u", [6, 2, 7])  # both trees: "2" -> one token with prob 1.0
+    assert cache.speculate("u", [9, 2], 4).token_ids == [7]
+    cache.start_request("w", [6, 2, 7, 2, 8])  # local now splits 0.5/0.5 -> the global draft scores higher
+    assert cache.speculate("w", [9, 2], 4).token_ids == [3]
+
+
+def test_cache_lifecycle_errors():
+    cache = SuffixCache(max_tree_depth=4, max_cached_requests=4)
+    cache.start_request("a", [1])
+    with pytest.raises(ValueError, match="'a' is already active"):
+        cache.start_request("a", [1])
+    with pytest.raises(ValueError, match="'b' is not active"):
+        cache.add_active_response("b", [1])
+    with pytest.raises(ValueError, match="'b' is not active"):
+        cache.speculate("b", [1], 2)
+    with pytest.raises(ValueError, match="'b' is not cached"):
+        cache.evict_cached_response("b")
+    with pytest.raises(ValueError, match="eviction='lfu'"):
+        SuffixCache(eviction="lfu")
+    with pytest.raises(ValueError, match="max_depth=0"):
+        SuffixTree(0)
