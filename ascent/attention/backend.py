@@ -101,6 +101,11 @@ class AttentionBackend(ABC):
         """Shape of one layer's KV cache tensor."""
 
     @staticmethod
+    def kv_cache_block_dim() -> int:
+        """Which dimension of ``get_kv_cache_shape`` indexes blocks (1 for ``[2, blocks, ...]`` K/V pairs)."""
+        return 1
+
+    @staticmethod
     @abstractmethod
     def get_builder_cls() -> type[AttentionMetadataBuilder]:
         """The metadata builder class (constructed with no arguments)."""

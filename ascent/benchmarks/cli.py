@@ -91,9 +91,11 @@ def _run_latency(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def register_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``bench`` with the ``throughput``, ``latency``, ``serve`` and ``startup`` sub-commands (each sets ``func``)."""
+    """Add ``bench`` with the ``throughput``, ``latency``, ``serve``, ``startup`` and ``spec`` sub-commands (each sets
+    ``func``)."""
     bench = subparsers.add_parser("bench", help="benchmarks (JSON with vLLM's key names)")
-    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput,latency,serve,startup}", required=True)
+    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput,latency,serve,startup,spec}",
+                                    required=True)
     throughput = commands.add_parser("throughput", help="B1 offline throughput vs the HF peer",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_throughput_args(throughput)
@@ -105,4 +107,7 @@ def register_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     from ascent.benchmarks.serve_cli import register_serve_bench_parsers
 
     register_serve_bench_parsers(commands)
+    from ascent.benchmarks.spec import register_spec_bench_parser
+
+    register_spec_bench_parser(commands)
     return bench

@@ -13,6 +13,7 @@ from ascent.core.scheduler import Scheduler, SchedulerStats
 from ascent.core.sched_output import EngineCoreOutput
 from ascent.platform.device_config import check_platform, describe, set_current_profile
 from ascent.platform.profile import HardwareCapability
+from ascent.executor.base import Executor
 from ascent.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -26,10 +27,9 @@ class EngineCore:
         check_platform(profile, config.device_config.device, mc.torch_dtype)
         set_current_profile(profile)  # read by layer/backend selection while the model is built
         logger.info("%s", describe(profile, config.device_config.device, mc.torch_dtype))
-        self.worker = Worker(config)
-        self.worker.load_model()
-        num_blocks = self.worker.determine_num_blocks()
-        self.worker.initialize_kv_cache(num_blocks)
+        self.executor = Executor.create(config)  # world size 1: in-process worker; TP > 1: worker processes
+        num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=cc.block_size,
@@ -39,7 +39,15 @@ class EngineCore:
         self.block_hasher = make_block_hasher(cc.block_size) if cc.enable_prefix_caching else None
         self.scheduler = Scheduler(config.scheduler_config, cc, mc.max_model_len, self.kv_cache_manager,
                                    zero_new_blocks=profile.supports(HardwareCapability.COMPATIBILITY_OP_IMPLEMENTATIONS))
-        self.timings = dict(self.worker.timings)
+        self.timings = dict(self.executor.timings)
+
+    @property
+    def worker(self) -> Worker:
+        """The in-process worker (world size 1 only; with worker processes there is none to inspect)."""
+        driver = getattr(self.executor, "driver_worker", None)
+        if driver is None:
+            raise AttributeError("engine runs its workers in separate processes; use executor.collective_rpc")
+        return driver
 
     @property
     def num_blocks(self) -> int:
@@ -63,11 +71,14 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.worker.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

@@ -62,7 +62,8 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, group: Any = None,
         return reduced.narrow(dim, rank * chunk, chunk).contiguous()
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((chunk, *moved.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, moved, op=op, group=group)
+    native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch >= 2.13 name first
+    native(out, moved, op=op, group=group)
     return out.movedim(0, dim).contiguous()
 
 

@@ -15,6 +15,7 @@ if the owner forgets.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -52,7 +53,7 @@ POLL_S = 1.0
 _STOP = pickle.dumps(("stop",))
 
 
-@dataclass
+@dataclass(eq=False)
 class _Workers:
     """What the finalizer needs to clean up (kept apart from the executor so the executor can be collected)."""
 
@@ -88,13 +89,31 @@ def _stop_workers(workers: _Workers, graceful: bool = True, timeout_s: float = S
     workers.store = None
 
 
+_LIVE_WORKERS: "weakref.WeakSet[_Workers]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_workers() -> None:
+    """Registered after multiprocessing's own exit hook, so it runs first: no exit waits on a worker."""
+    for workers in list(_LIVE_WORKERS):
+        _stop_workers(workers)
+
+
 class MultiprocExecutor(Executor):
-    """Spawns ``world_size`` worker processes and waits until all have loaded the model."""
+    """Spawns ``world_size`` worker processes and waits until all have loaded the model.
+
+    ``collective_timeout_s`` (default ``parallel_config.distributed_timeout_s``) bounds torch.distributed
+    collectives inside the workers; ``daemon=False`` lets workers start processes of their own (interpreter exit
+    still stops them first, through this module's exit hook).
+    """
 
     def __init__(self, config: EngineConfig, *, startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
                  execute_timeout_s: float = DEFAULT_EXECUTE_TIMEOUT_S,
-                 collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, daemon: bool = True) -> None:
+                 collective_timeout_s: float | None = None, daemon: bool = True) -> None:
         super().__init__(config)
+        if collective_timeout_s is None:
+            collective_timeout_s = float(getattr(config.parallel_config, "distributed_timeout_s",
+                                                 DEFAULT_COLLECTIVE_TIMEOUT_S))
         for name, value in (("startup_timeout_s", startup_timeout_s), ("execute_timeout_s", execute_timeout_s),
                             ("collective_timeout_s", collective_timeout_s)):
             if value <= 0:
@@ -102,12 +121,13 @@ class MultiprocExecutor(Executor):
         self.execute_timeout_s = execute_timeout_s
         self.backend = default_backend(config.device_config.device)
         self._workers = _Workers()
+        _LIVE_WORKERS.add(self._workers)
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
         self._failure: ExecutorError | None = None
         start = time.perf_counter()
         try:
             self._spawn(collective_timeout_s, daemon)
-            ready = self._gather("startup", startup_timeout_s, fatal=True)
+            ready = self._round_trip(None, "startup", startup_timeout_s, fatal=True)
         except BaseException:
             self._finalizer()
             raise
@@ -183,8 +203,21 @@ class MultiprocExecutor(Executor):
         except (EOFError, OSError) as exc:
             raise self._fail(self._died(rank, during)) from exc
 
-    def _gather(self, during: str, timeout_s: float, fatal: bool) -> list[Any]:
-        """One reply per rank (rank order), failing fast on a death, a timeout, or (``fatal``) an error reply."""
+    def _round_trip(self, payload: bytes | None, during: str, timeout_s: float, fatal: bool) -> list[Any]:
+        """Send ``payload`` (if any) to every rank and collect one reply per rank (rank order), failing fast on a
+        death, a timeout, or (``fatal``) an error reply. An interruption (e.g. KeyboardInterrupt) leaves messages
+        in flight, so it is fatal too."""
+        try:
+            if payload is not None:
+                self._broadcast(payload, during)
+            return self._gather_replies(during, timeout_s, fatal)
+        except ExecutorError:
+            raise
+        except BaseException as exc:
+            self._fail(ExecutorError(f"interrupted while waiting for workers during {during}: {exc!r}"))
+            raise
+
+    def _gather_replies(self, during: str, timeout_s: float, fatal: bool) -> list[Any]:
         w = self._workers
         deadline = time.monotonic() + timeout_s
         replies: dict[int, tuple[str, Any]] = {}
@@ -194,7 +227,7 @@ class MultiprocExecutor(Executor):
             if remaining <= 0:
                 missing = sorted(set(range(self.world_size)) - set(replies))
                 raise self._fail(WorkerTimeoutError(f"worker rank(s) {missing} did not answer {during} within "
-                                                    f"{timeout_s:.0f}s"))
+                                                    f"{timeout_s:g}s"))
             pending = [c for r, c in enumerate(w.conns) if r not in replies]
             for ready in wait(pending + [p.sentinel for p in w.procs], timeout=min(remaining, POLL_S)):
                 rank = conn_rank.get(id(ready))
@@ -228,8 +261,8 @@ class MultiprocExecutor(Executor):
     # -------------------------------------------------------------------------------------------- Executor API
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._check_usable()
-        self._broadcast(pickle.dumps(("execute", scheduler_output), protocol=pickle.HIGHEST_PROTOCOL), "execute_model")
-        return self._gather("execute_model", self.execute_timeout_s, fatal=True)[0]
+        payload = pickle.dumps(("execute", scheduler_output), protocol=pickle.HIGHEST_PROTOCOL)
+        return self._round_trip(payload, "execute_model", self.execute_timeout_s, fatal=True)[0]
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
                        timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> list[Any]:
@@ -239,8 +272,7 @@ class MultiprocExecutor(Executor):
             raise ValueError(f"timeout_s={timeout_s} must be positive")
         self._check_usable()
         payload = pickle.dumps(("rpc", method, tuple(args), dict(kwargs or {})), protocol=pickle.HIGHEST_PROTOCOL)
-        self._broadcast(payload, f"rpc {method}")
-        return self._gather(f"rpc {method}", timeout_s, fatal=False)
+        return self._round_trip(payload, f"rpc {method}", timeout_s, fatal=False)
 
     def check_health(self, timeout_s: float = 30.0) -> None:
         self._check_usable()

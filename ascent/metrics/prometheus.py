@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
 
 from ascent.core.output_processor import FinishedRequestStats, IterationStats
-from ascent.core.scheduler import SchedulerStats
+from ascent.core.scheduler import SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +46,19 @@ class EngineMetrics:
     """The engine's collectors; every series carries ``model_name`` and ``engine`` labels.
 
     ``kv_cache_usage_fn`` (optional) makes ``ascent:kv_cache_usage_perc`` read the live value at scrape time instead
-    of the value of the last engine step (which goes stale once the engine idles).
+    of the value of the last engine step (which goes stale once the engine idles). ``num_speculative_tokens`` (k)
+    pre-creates the per-position acceptance series ``position="0".."k-1"``; positions seen later are added on the fly.
     """
 
     def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int = 8192,
-                 kv_cache_usage_fn: Callable[[], float] | None = None, engine_index: int = 0) -> None:
+                 kv_cache_usage_fn: Callable[[], float] | None = None, engine_index: int = 0,
+                 num_speculative_tokens: int = 0) -> None:
         self.registry = registry
         self.model_name = model_name
         self._labels = {"model_name": model_name, "engine": str(engine_index)}
         self._gauges()
         self._counters()
+        self._spec_counters(num_speculative_tokens)
         self._histograms(max_model_len)
         self._kv_usage_fn = kv_cache_usage_fn
         self._last_kv_usage = 0.0
@@ -101,6 +104,22 @@ class EngineMetrics:
         for reason in FINISHED_REASONS:
             success.labels(**self._labels, finished_reason=reason)
 
+    def _spec_counters(self, num_speculative_tokens: int) -> None:
+        reg = self.registry
+
+        def counter(name: str, doc: str) -> Any:
+            return self._child(Counter(PREFIX + name, doc, LABELS, registry=reg))
+
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                                       "Number of accepted tokens.")
+        self._spec_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            (*LABELS, "position"), registry=reg)
+        for pos in range(max(int(num_speculative_tokens), 0)):
+            self._spec_accepted_per_pos.labels(**self._labels, position=str(pos))
+
     def _histograms(self, max_model_len: int) -> None:
         reg = self.registry
 
@@ -144,6 +163,15 @@ class EngineMetrics:
         _inc(self.prefix_cache_queries, stats.prefix_cache_queries)
         _inc(self.prefix_cache_hits, stats.prefix_cache_hits)
         _inc(self.num_preemptions, stats.num_preemptions)
+        if stats.spec_decoding is not None:
+            self._record_spec(stats.spec_decoding)
+
+    def _record_spec(self, spec: SpecDecodingStats) -> None:
+        _inc(self.spec_decode_num_drafts, spec.num_drafts)
+        _inc(self.spec_decode_num_draft_tokens, spec.num_draft_tokens)
+        _inc(self.spec_decode_num_accepted_tokens, spec.num_accepted_tokens)
+        for pos, accepted in enumerate(spec.accepted_per_pos):
+            _inc(self._spec_accepted_per_pos.labels(**self._labels, position=str(pos)), accepted)
 
     def _record_iteration(self, stats: IterationStats) -> None:
         _inc(self.prompt_tokens, stats.num_prompt_tokens)
@@ -178,8 +206,10 @@ def make_metrics_app(engine: Any, model_name: str, registry: CollectorRegistry |
     registry = registry if registry is not None else CollectorRegistry()
     max_model_len = int(getattr(getattr(engine, "model_config", None), "max_model_len", 0) or 8192)
     usage_fn = getattr(engine, "kv_cache_usage", None)
+    spec = getattr(getattr(engine, "engine_config", None), "speculative_config", None)
     metrics = EngineMetrics(registry, model_name, max_model_len=max_model_len,
-                            kv_cache_usage_fn=usage_fn if callable(usage_fn) else None)
+                            kv_cache_usage_fn=usage_fn if callable(usage_fn) else None,
+                            num_speculative_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0))
     engine.add_stat_observer(metrics.observe)
     app = make_asgi_app(registry)
     app.engine_metrics = metrics

@@ -91,15 +91,16 @@ def test_step_timeout_is_fatal(tiny_llama_dir) -> None:
         executor.shutdown()
 
 
-_ORPHAN_SCRIPT = """
+_ENGINE_SCRIPT = """
 import sys, time
-from ascent.executor import Executor
+from ascent.executor.multiproc import MultiprocExecutor
 from tests.integration.executor_helpers import make_config
 
 if __name__ == "__main__":
-    executor = Executor.create(make_config(sys.argv[1], 2))
+    executor = MultiprocExecutor(make_config(sys.argv[1], 2), daemon=sys.argv[2] == "daemon")
     print(" ".join(map(str, executor.worker_pids)), flush=True)
-    time.sleep(120)
+    if sys.argv[3] == "sleep":
+        time.sleep(120)
 """
 
 
@@ -111,23 +112,48 @@ def _pid_running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def test_workers_exit_when_the_engine_process_dies(tiny_llama_dir, tmp_path: Path) -> None:
+def _start_engine(model: str, tmp_path: Path, daemon: bool, sleep: bool) -> tuple[subprocess.Popen, list[int]]:
     script = tmp_path / "engine.py"
-    script.write_text(_ORPHAN_SCRIPT)
+    script.write_text(_ENGINE_SCRIPT)
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo)}
-    engine = subprocess.Popen([sys.executable, str(script), tiny_llama_dir], stdout=subprocess.PIPE, text=True,
-                              cwd=repo, env=env)
+    args = [sys.executable, str(script), model, "daemon" if daemon else "plain", "sleep" if sleep else "exit"]
+    engine = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=repo, env=env)
     try:
-        line = _read_line(engine, timeout_s=120)
-        pids = [int(p) for p in line.split()]
-        assert len(pids) == 2 and all(_pid_running(p) for p in pids)
+        pids = [int(p) for p in _read_line(engine, timeout_s=120).split()]
+    except BaseException:
         engine.kill()
         engine.wait(10)
-        deadline = time.monotonic() + DETECT_BOUND_S
-        while any(_pid_running(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_pid_running(p) for p in pids)
+        raise
+    assert len(pids) == 2
+    return engine, pids
+
+
+def _assert_pids_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + DETECT_BOUND_S
+    while any(_pid_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_pid_running(p) for p in pids)
+
+
+def test_workers_exit_when_the_engine_process_dies(tiny_llama_dir, tmp_path: Path) -> None:
+    engine, pids = _start_engine(tiny_llama_dir, tmp_path, daemon=True, sleep=True)
+    try:
+        assert all(_pid_running(p) for p in pids)
+        engine.kill()
+        engine.wait(10)
+        _assert_pids_gone(pids)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(10)
+
+
+def test_engine_exit_without_shutdown_stops_non_daemon_workers(tiny_llama_dir, tmp_path: Path) -> None:
+    engine, pids = _start_engine(tiny_llama_dir, tmp_path, daemon=False, sleep=False)
+    try:
+        assert engine.wait(60) == 0  # the exit hook stops the workers before multiprocessing joins them
+        _assert_pids_gone(pids)
     finally:
         if engine.poll() is None:
             engine.kill()

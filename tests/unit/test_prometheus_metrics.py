@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ascent.core.output_processor import FinishedRequestStats, IterationStats
-from ascent.core.scheduler import SchedulerStats
+from ascent.core.scheduler import SchedulerStats, SpecDecodingStats
 from ascent.metrics.prometheus import EngineMetrics, build_1_2_5_buckets, make_metrics_app
 
 MODEL = "tiny-model"
@@ -143,6 +143,46 @@ def test_live_kv_usage_function() -> None:
     assert _value(_samples(metrics.registry), "ascent:kv_cache_usage_perc") == 0.75
 
 
+def _spec(drafts: list[tuple[int, int]]) -> SpecDecodingStats:
+    stats = SpecDecodingStats()
+    for num_draft_tokens, num_accepted in drafts:
+        stats.observe(num_draft_tokens, num_accepted)
+    return stats
+
+
+def test_spec_decode_counters() -> None:
+    metrics = EngineMetrics(CollectorRegistry(), MODEL, num_speculative_tokens=3)
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    for name in ("drafts", "draft_tokens", "accepted_tokens", "accepted_tokens_per_pos"):
+        assert families[f"ascent:spec_decode_num_{name}"].type == "counter"
+    per_pos = "ascent:spec_decode_num_accepted_tokens_per_pos_total"
+    s = _samples(metrics.registry)
+    assert [_value(s, per_pos, position=str(p)) for p in range(3)] == [0, 0, 0]
+    metrics.observe(_step(), None)  # spec_decoding None: speculation off, nothing moves
+    step1 = SchedulerStats(spec_decoding=_spec([(3, 3), (3, 1), (2, 0)]))
+    step2 = SchedulerStats(spec_decoding=_spec([(3, 2), (4, 4)]))
+    metrics.observe(step1, None)
+    metrics.observe(step2, None)
+    s = _samples(metrics.registry)
+    assert _value(s, "ascent:spec_decode_num_drafts_total") == 5
+    assert _value(s, "ascent:spec_decode_num_draft_tokens_total") == 3 + 3 + 2 + 3 + 4
+    assert _value(s, "ascent:spec_decode_num_accepted_tokens_total") == 3 + 1 + 0 + 2 + 4
+    counts = [_value(s, per_pos, position=str(p)) for p in range(4)]
+    assert counts == [4, 3, 2, 1]  # position 3 appeared in step 2 (a longer draft)
+    assert sum(counts) == _value(s, "ascent:spec_decode_num_accepted_tokens_total")
+
+
+def test_make_metrics_app_precreates_spec_positions() -> None:
+    engine = _FakeEngine()
+    engine.engine_config = _FakeEngineConfig()
+    app = make_metrics_app(engine, MODEL)
+    s = _samples(app.engine_metrics.registry)
+    per_pos = "ascent:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [_value(s, per_pos, position=str(p)) for p in range(2)] == [0, 0]
+    assert (per_pos, tuple(sorted({**LABELS, "position": "2"}.items()))) not in s
+    assert _value(s, "ascent:spec_decode_num_drafts_total") == 0
+
+
 def test_build_1_2_5_buckets() -> None:
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
     assert build_1_2_5_buckets(30) == [1, 2, 5, 10, 20]
@@ -152,6 +192,14 @@ def test_build_1_2_5_buckets() -> None:
 
 class _FakeModelConfig:
     max_model_len = 64
+
+
+class _FakeSpecConfig:
+    num_speculative_tokens = 2
+
+
+class _FakeEngineConfig:
+    speculative_config = _FakeSpecConfig()
 
 
 class _FakeEngine:

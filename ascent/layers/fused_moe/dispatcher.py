@@ -81,8 +81,9 @@ def select_moe_comm(policy: MoECommPolicy | str, ep_size: int, num_tokens: int,
 
 
 # ----- collectives over the EP group coordinator (gloo-safe forms from ascent.distributed.comm) -----
-def _gather_sizes(n: int, group: GroupCoordinator) -> list[int]:
-    return [int(v) for v in group.all_gather(torch.tensor([n], dtype=torch.int64), 0).tolist()]
+def _gather_sizes(n: int, group: GroupCoordinator, device: torch.device) -> list[int]:
+    """Every rank's ``n`` (the tensor lives on ``device``: the device group may be NCCL)."""
+    return [int(v) for v in group.all_gather(torch.tensor([n], dtype=torch.int64, device=device), 0).tolist()]
 
 
 def _all_gather_padded(x: torch.Tensor, rows: int, fill: float, group: GroupCoordinator) -> torch.Tensor:
@@ -152,7 +153,7 @@ class AllGatherDispatcher(LocalDispatcher):
     comm_type = MoECommType.ALLGATHER
 
     def dispatch(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Dispatched:
-        rows = max(_gather_sizes(hidden.shape[0], self.group))
+        rows = max(_gather_sizes(hidden.shape[0], self.group, hidden.device))
         all_hidden = _all_gather_padded(hidden, rows, 0.0, self.group)
         all_ids = _all_gather_padded(topk_ids.to(torch.int64), rows, -1, self.group)
         all_weights = _all_gather_padded(topk_weights.float(), rows, 0.0, self.group)
@@ -180,11 +181,11 @@ class AllToAllDispatcher(MoEDispatcher):
 
     comm_type = MoECommType.ALLTOALL
 
-    def _check_tokens(self, num_tokens: int) -> None:
+    def _check_tokens(self, hidden: torch.Tensor) -> None:
         """Hook for capacity-bound variants (MC2)."""
 
     def dispatch(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> Dispatched:
-        self._check_tokens(hidden.shape[0])
+        self._check_tokens(hidden)
         size, s = self.group.world_size, self.num_local
         routing = self.adaptor.moe_init_routing(hidden, topk_ids, num_experts=self.num_physical)
         counts = routing.expert_tokens.to(torch.int64)  # [P] rows per physical slot, sorted order
@@ -193,15 +194,16 @@ class AllToAllDispatcher(MoEDispatcher):
         from_ranks = all_counts[:, self.local_start: self.local_start + s]  # [size, S] rows for my slots
         recv = from_ranks.sum(1).tolist()
         received = self.group.all_to_all(routing.expanded_x, send, recv)
-        slot_of_row = torch.repeat_interleave(torch.arange(s).repeat(size), from_ranks.reshape(-1))
+        slot_of_row = torch.repeat_interleave(torch.arange(s, device=counts.device).repeat(size),
+                                              from_ranks.reshape(-1))
         order = torch.sort(slot_of_row, stable=True).indices
         state = _A2AState(routing.expanded_row_idx, topk_weights, send, recv, order)
-        return Dispatched(received.index_select(0, order.to(received.device)), from_ranks.sum(0), state)
+        return Dispatched(received.index_select(0, order), from_ranks.sum(0), state)
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         st: _A2AState = dispatched.state
         back = torch.empty_like(expert_out)
-        back[st.order.to(expert_out.device)] = expert_out
+        back[st.order] = expert_out
         returned = self.group.all_to_all(back, st.recv, st.send)
         return weighted_unpermute(self.adaptor, returned, st.row_idx, st.weights)
 
@@ -218,10 +220,11 @@ class MC2Dispatcher(AllToAllDispatcher):
             raise ValueError(f"MC2 capacity={capacity} must be >= 1")
         self.capacity = capacity
 
-    def _check_tokens(self, num_tokens: int) -> None:
-        if num_tokens > self.capacity:
-            raise ValueError(f"{num_tokens} tokens on EP rank {self.group.rank_in_group} exceed the MC2 capacity "
-                             f"{self.capacity}")
+    def _check_tokens(self, hidden: torch.Tensor) -> None:
+        """Collective: every rank raises when any rank exceeds the capacity (no rank is left waiting)."""
+        sizes = _gather_sizes(hidden.shape[0], self.group, hidden.device)
+        if max(sizes) > self.capacity:
+            raise ValueError(f"tokens per EP rank {sizes} exceed the MC2 capacity {self.capacity}")
 
 
 _DISPATCHERS: dict[MoECommType, type[MoEDispatcher]] = {

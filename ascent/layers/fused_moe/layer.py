@@ -65,6 +65,11 @@ class FusedMoE(nn.Module):
     (renormalised / scaled) routing weights, reduced over TP / gathered over EP; plus ``shared_experts(hidden)``
     (times ``sigmoid(shared_expert_gate(hidden))`` when a gate is given) if those optional modules are passed.
     ``forced_comm`` (None = the profile policy) pins the EP dispatcher, e.g. for comparisons and benchmarks.
+
+    Keyword-only extras beyond the shared contract: ``num_redundant_experts`` (extra physical slots, default
+    round-robin replicas) or a ready ``expert_map`` (its EP rank/size must match the EP group), and
+    ``shared_experts`` / ``shared_expert_gate``. ``last_expert_tokens`` holds the rows per local slot of the last
+    forward (EPLB load statistics).
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,

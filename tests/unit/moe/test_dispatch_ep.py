@@ -80,6 +80,13 @@ def _check_dispatchers_uneven(rank: int) -> None:
             return rows * (slot.float() + 1).unsqueeze(1)
 
         _close(dispatcher.run(x, w, ids, scale_by_slot), expected)
+    # only rank 0 exceeds the capacity, yet both ranks raise (nobody is left waiting in a collective)
+    try:
+        MC2Dispatcher(ep, 10, capacity=4).dispatch(x, w, ids)
+    except ValueError as err:
+        assert "[5, 3] exceed the MC2 capacity 4" in str(err)
+    else:
+        raise AssertionError("MC2 capacity overflow was not reported")
 
 
 def _check_rearrange_with_fetch(ckpt: dict, ref: FusedMoE) -> None:
@@ -166,7 +173,7 @@ def test_dispatcher_contracts_single_rank() -> None:
         assert dispatched.group_list.tolist() == [2, 2, 2, 4]
         assert torch.equal(dispatched.hidden[:2], x[[0, 2]])  # expert 0's rows, token order
         _close(make_dispatcher(kind, group, 4).run(x, w, ids, identity), w.sum(1, keepdim=True) * x)
-    with pytest.raises(ValueError, match="exceed the MC2 capacity 2"):
+    with pytest.raises(ValueError, match=r"tokens per EP rank \[5\] exceed the MC2 capacity 2"):
         MC2Dispatcher(group, 4, capacity=2).dispatch(x, w, ids)
     with pytest.raises(ValueError, match="does not split"):
         make_dispatcher("alltoall", ps.GroupCoordinator("ep", [0, 1], 0), 5)

@@ -1,0 +1,125 @@
+"""Smoke run of ``ascent bench spec`` on a tiny random model (JSON schema, equal greedy outputs, consistent
+acceptance numbers; never timing thresholds) and unit checks of its workload and acceptance helpers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from ascent.benchmarks.cli import register_bench_parser
+from ascent.benchmarks.spec import (SpecCounts, acceptance_summary, format_summary, non_repetitive_conversations,
+                                    outputs_match, parse_methods, repetitive_conversations)
+
+K = 3
+NUM_PROMPTS = 4
+OUTPUT_LEN = 12
+RUN_KEYS = ("elapsed_time", "total_output_tokens", "output_tokens_per_second")
+METHOD_KEYS = (*RUN_KEYS, "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos",
+               "mean_acceptance_length", "acceptance_rate", "per_position_acceptance_rate", "mean_draft_length",
+               "speedup_vs_no_spec", "outputs_equal_no_spec", "num_mismatched_requests")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ascent")
+    register_bench_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def spec_result(tiny_llama_dir: str, tmp_path_factory) -> tuple[dict, dict]:
+    out = tmp_path_factory.mktemp("bench_spec") / "spec.json"
+    args = _parse(["bench", "spec", "--model", tiny_llama_dir, "--dtype", "float32", "--methods", "ngram,suffix",
+                   "--num-speculative-tokens", str(K), "--prompt-lookup-min", "1", "--prompt-lookup-max", "3",
+                   "--num-prompts", str(NUM_PROMPTS), "--output-len", str(OUTPUT_LEN), "--ignore-eos",
+                   "--num-threads", "1", "--output-json", str(out)])
+    returned = args.func(args)
+    return returned, json.loads(out.read_text())
+
+
+def _check_acceptance(r: dict) -> None:
+    drafts, accepted, per_pos = r["num_drafts"], r["num_accepted_tokens"], r["accepted_per_pos"]
+    assert drafts > 0 and 0 <= accepted <= r["num_draft_tokens"] <= K * drafts
+    assert len(per_pos) == K and sum(per_pos) == accepted
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # acceptance is a prefix of each draft
+    assert 1.0 <= r["mean_acceptance_length"] <= 1.0 + K
+    assert r["mean_acceptance_length"] == pytest.approx(1.0 + accepted / drafts)
+    assert r["acceptance_rate"] == pytest.approx(accepted / r["num_draft_tokens"])
+    rates = r["per_position_acceptance_rate"]
+    assert rates == pytest.approx([c / drafts for c in per_pos])
+    assert all(0.0 <= x <= 1.0 for x in rates) and all(a >= b for a, b in zip(rates, rates[1:]))
+    assert 1.0 <= r["mean_draft_length"] <= K
+
+
+def test_spec_bench_json_schema(spec_result: tuple[dict, dict]) -> None:
+    returned, data = spec_result
+    assert data["benchmark"] == "spec_decode" and data["methods"] == ["ngram", "suffix"]
+    assert data["num_speculative_tokens"] == K and data["dtype"] == "float32"
+    assert set(data["workloads"]) == {"repetitive", "non_repetitive"}
+    assert set(data["startup"]) == {"none", "ngram", "suffix"}
+    assert data["env"]["num_threads"] == 1 and data["config"]["ignore_eos"] is True
+    assert data["config"]["speculative_configs"]["ngram"]["prompt_lookup_max"] == 3
+    assert returned["workloads"]["repetitive"]["no_spec"]["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
+    for work in data["workloads"].values():
+        assert work["requested"]["num_requests"] == NUM_PROMPTS
+        assert all(k in work["no_spec"] for k in RUN_KEYS)
+        assert set(work["methods"]) == {"ngram", "suffix"}
+        for r in work["methods"].values():
+            assert all(k in r for k in METHOD_KEYS)
+
+
+def test_spec_bench_outputs_equal_and_tokens(spec_result: tuple[dict, dict]) -> None:
+    _, data = spec_result
+    for work in data["workloads"].values():
+        base = work["no_spec"]
+        assert base["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
+        for r in work["methods"].values():
+            assert r["outputs_equal_no_spec"] is True and r["num_mismatched_requests"] == 0
+            assert r["total_output_tokens"] == base["total_output_tokens"]
+            assert r["output_tokens_per_second"] > 0 and math.isfinite(r["output_tokens_per_second"])
+            assert r["speedup_vs_no_spec"] == pytest.approx(
+                r["output_tokens_per_second"] / base["output_tokens_per_second"])
+
+
+def test_spec_bench_acceptance_numbers(spec_result: tuple[dict, dict]) -> None:
+    _, data = spec_result
+    for method in ("ngram", "suffix"):
+        _check_acceptance(data["workloads"]["repetitive"]["methods"][method])
+    text = format_summary(data)
+    assert "repetitive" in text and "non_repetitive" in text and "suffix" in text
+
+
+def test_acceptance_summary_and_counts_delta() -> None:
+    before = SpecCounts(2, 5, 3, (2, 1))
+    after = SpecCounts(6, 16, 9, (5, 3, 1))
+    delta = after.minus(before)
+    assert delta == SpecCounts(4, 11, 6, (3, 2, 1))
+    summary = acceptance_summary(delta, 4)
+    assert summary["mean_acceptance_length"] == pytest.approx(2.5)
+    assert summary["acceptance_rate"] == pytest.approx(6 / 11)
+    assert summary["per_position_acceptance_rate"] == pytest.approx([0.75, 0.5, 0.25, 0.0])
+    assert summary["accepted_per_pos"] == [3, 2, 1, 0]
+    empty = acceptance_summary(SpecCounts(), 3)
+    assert empty["mean_acceptance_length"] is None and empty["per_position_acceptance_rate"] is None
+    assert empty["acceptance_rate"] is None and empty["accepted_per_pos"] == [0, 0, 0]
+
+
+def test_workloads_are_seeded_and_repetitive() -> None:
+    rep = repetitive_conversations(8, seed=3)
+    assert rep == repetitive_conversations(8, seed=3) and rep != repetitive_conversations(8, seed=4)
+    code = rep[0][0]["content"]
+    assert "```python" in code and "Rename the variable" in code
+    assert [m["role"] for m in rep[2]] == ["user", "assistant", "user"]
+    questions = non_repetitive_conversations(30, seed=0)
+    assert len({q[0]["content"] for q in questions}) == 30
+
+
+def test_parse_methods_and_outputs_match() -> None:
+    assert parse_methods("ngram, suffix") == ["ngram", "suffix"]
+    for bad in ("eagle", "ngram,ngram", " , "):
+        with pytest.raises(ValueError):
+            parse_methods(bad)
+    assert outputs_match([[1, 2], [3]], [[1, 2], [3]]) == (True, 0)
+    assert outputs_match([[1, 2], [3]], [[1, 2], [4]]) == (False, 1)
