@@ -158,6 +158,10 @@ class EngineConfig:
     def finalize(self) -> None:
         """Cross-field checks once the model's limits are known."""
         mc, sc = self.model_config, self.scheduler_config
+        tp = self.parallel_config.tensor_parallel_size
+        heads = getattr(mc.hf_config, "num_attention_heads", None)
+        if heads is not None and heads % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's num_attention_heads={heads}.")
         if sc.max_num_batched_tokens is None:
             sc.max_num_batched_tokens = max(2048, sc.max_num_seqs) if sc.enable_chunked_prefill else max(
                 mc.max_model_len, 2048)

@@ -37,6 +37,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-threads", type=positive_int, default=None,
                        help="torch threads for the engine, the peer and the calibration (pinned and reported)")
     group.add_argument("--seed", type=int, default=0, help="seed of the random prompts and of the engine")
+    group.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                       help="engine worker processes (tensor parallel size)")
+    group.add_argument("--enable-expert-parallel", action="store_true",
+                       help="shard MoE experts across the ranks instead of slicing each expert")
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:

@@ -231,21 +231,33 @@ def measure_engine(args: argparse.Namespace, max_model_len: int, workloads: dict
     return {"runs": runs, "startup": startup}
 
 
-def outputs_match(reference: list[list[int]], outputs: list[list[int]]) -> tuple[bool, int]:
-    """(all outputs equal, number of requests whose outputs differ)."""
-    mismatched = sum(1 for a, b in zip(reference, outputs) if a != b) + abs(len(reference) - len(outputs))
-    return mismatched == 0, mismatched
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first output token where ``a`` and ``b`` differ (a length difference counts); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def outputs_match(reference: list[list[int]], outputs: list[list[int]]) -> tuple[bool, list[int]]:
+    """(all outputs equal, first diverging output position of each differing request)."""
+    if len(reference) != len(outputs):
+        raise ValueError(f"{len(outputs)} outputs for {len(reference)} reference outputs")
+    positions = [first_divergence(a, b) for a, b in zip(reference, outputs)]
+    diverged = [p for p in positions if p is not None]
+    return not diverged, diverged
 
 
 def method_result(run: dict[str, Any], outputs: list[list[int]], baseline: dict[str, Any],
                   reference: list[list[int]], k: int) -> dict[str, Any]:
     """One method's figures on one workload."""
-    equal, mismatched = outputs_match(reference, outputs)
+    equal, diverged = outputs_match(reference, outputs)
     result = {key: run[key] for key in ("elapsed_time", "total_output_tokens", "output_tokens_per_second")}
     result.update(acceptance_summary(run["counts"], k))
     result.update({"speedup_vs_no_spec": safe_ratio(run["output_tokens_per_second"],
                                                     baseline["output_tokens_per_second"]),
-                   "outputs_equal_no_spec": equal, "num_mismatched_requests": mismatched})
+                   "outputs_equal_no_spec": equal, "num_mismatched_requests": len(diverged),
+                   "first_mismatch_positions": diverged})
     return result
 
 

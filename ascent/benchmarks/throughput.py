@@ -40,7 +40,8 @@ def build_llm(args: argparse.Namespace, max_model_len: int, **overrides: Any) ->
     kwargs: dict[str, Any] = {"dtype": args.dtype, "max_model_len": max_model_len, "seed": args.seed,
                               "disable_log_stats": True,
                               "hardware_profile": getattr(args, "hardware_profile", None) or "auto"}
-    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "num_threads"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "num_threads",
+                 "tensor_parallel_size", "enable_expert_parallel"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     kwargs.update(overrides)

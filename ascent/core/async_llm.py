@@ -129,6 +129,7 @@ class AsyncLLM:
         self._wakeup.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
+        self.engine.shutdown()
 
     # ------------------------------------------------------------------------------------------------ plumbing
     def _submit(self, *command: Any, reply: asyncio.Future | None = None) -> None:

@@ -111,3 +111,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop worker processes (TP/EP) and release the engine; also done automatically at exit."""
+        self.llm_engine.shutdown()

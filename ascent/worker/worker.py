@@ -42,6 +42,8 @@ class Worker:
             num_blocks = budget // per_block
         else:
             budget = int(available_memory_bytes(self.config.device_config.device) * DEFAULT_KV_CACHE_FRACTION)
+            if self.config.device_config.device.type == "cpu":
+                budget //= self.config.parallel_config.world_size  # CPU ranks share one machine's RAM
             num_blocks = min(budget // per_block, useful)
         if num_blocks < 2:
             raise ValueError(

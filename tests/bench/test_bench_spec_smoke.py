@@ -19,7 +19,7 @@ OUTPUT_LEN = 12
 RUN_KEYS = ("elapsed_time", "total_output_tokens", "output_tokens_per_second")
 METHOD_KEYS = (*RUN_KEYS, "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos",
                "mean_acceptance_length", "acceptance_rate", "per_position_acceptance_rate", "mean_draft_length",
-               "speedup_vs_no_spec", "outputs_equal_no_spec", "num_mismatched_requests")
+               "speedup_vs_no_spec", "outputs_equal_no_spec", "num_mismatched_requests", "first_mismatch_positions")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -77,6 +77,7 @@ def test_spec_bench_outputs_equal_and_tokens(spec_result: tuple[dict, dict]) -> 
         assert base["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
         for r in work["methods"].values():
             assert r["outputs_equal_no_spec"] is True and r["num_mismatched_requests"] == 0
+            assert r["first_mismatch_positions"] == []
             assert r["total_output_tokens"] == base["total_output_tokens"]
             assert r["output_tokens_per_second"] > 0 and math.isfinite(r["output_tokens_per_second"])
             assert r["speedup_vs_no_spec"] == pytest.approx(
@@ -121,5 +122,8 @@ def test_parse_methods_and_outputs_match() -> None:
     for bad in ("eagle", "ngram,ngram", " , "):
         with pytest.raises(ValueError):
             parse_methods(bad)
-    assert outputs_match([[1, 2], [3]], [[1, 2], [3]]) == (True, 0)
-    assert outputs_match([[1, 2], [3]], [[1, 2], [4]]) == (False, 1)
+    assert outputs_match([[1, 2], [3]], [[1, 2], [3]]) == (True, [])
+    assert outputs_match([[1, 2], [3, 5]], [[1, 2], [3, 4]]) == (False, [1])
+    assert outputs_match([[1, 2, 3], [7]], [[1, 2], [8]]) == (False, [2, 0])
+    with pytest.raises(ValueError):
+        outputs_match([[1]], [])
