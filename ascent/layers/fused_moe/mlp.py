@@ -17,27 +17,34 @@ GROUP_LIST_CUMSUM = 0
 GROUP_LIST_COUNTS = 1
 GROUP_LIST_PAIRS = 2
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-_SUPPORTED_CONVERSIONS = {(0, 0), (1, 1), (1, 0), (0, 1), (2, 0)}
 
 
 def cumsum_group_list(group_list: torch.Tensor, src_type: int, dst_type: int,
                       num_experts: int | None = None) -> torch.Tensor:
-    """Convert ``group_list`` between types. Supported (src, dst): (0,0), (1,1), (1,0), (0,1), (2,0); type 2 needs
-    ``num_experts`` (experts absent from the pairs get 0 rows; ``[0, 0]`` pairs are padding). An invalid type is a
-    ValueError; (0,2), (2,1), (1,2) raise NotImplementedError. Returns int64."""
+    """Convert ``group_list`` between its three forms: 0 = cumulative row counts ``[E]``, 1 = row counts ``[E]``,
+    2 = ``[n, 2]`` (expert id, rows) pairs of the non-empty experts (``[0, 0]`` rows are padding; reading pairs
+    needs ``num_experts``). An invalid type or a malformed list is a ValueError. Returns int64."""
     for value in (src_type, dst_type):
         if value not in (0, 1, 2):
             raise ValueError(f"group_list_type should be in [0, 1, 2], but received {value}")
-    if (src_type, dst_type) not in _SUPPORTED_CONVERSIONS:
-        raise NotImplementedError(f"group_list conversion from type {src_type} to type {dst_type} is under "
-                                  f"development.")
     gl = group_list.to(torch.int64)
     if src_type == dst_type:
         return gl.clone()
-    if src_type == GROUP_LIST_COUNTS:
-        return gl.cumsum(0)
-    if src_type == GROUP_LIST_CUMSUM:
-        return torch.diff(gl, prepend=gl.new_zeros(1))
+    if src_type == GROUP_LIST_PAIRS:
+        counts = _pairs_to_counts(gl, num_experts)
+    elif src_type == GROUP_LIST_CUMSUM:
+        counts = torch.diff(gl, prepend=gl.new_zeros(1))
+    else:
+        counts = gl
+    if dst_type == GROUP_LIST_COUNTS:
+        return counts
+    if dst_type == GROUP_LIST_CUMSUM:
+        return counts.cumsum(0)
+    experts = counts.nonzero().squeeze(1)
+    return torch.stack([experts, counts.index_select(0, experts)], dim=1)
+
+
+def _pairs_to_counts(gl: torch.Tensor, num_experts: int | None) -> torch.Tensor:
     if num_experts is None:
         raise ValueError("num_experts is required to convert group_list type 2 (pairs)")
     if gl.dim() != 2 or gl.shape[1] != 2:
@@ -45,7 +52,7 @@ def cumsum_group_list(group_list: torch.Tensor, src_type: int, dst_type: int,
     experts, counts = gl[:, 0], gl[:, 1]
     if bool(((experts < 0) | (experts >= num_experts)).any()):
         raise ValueError(f"group_list pairs name experts {experts.tolist()} outside [0, {num_experts})")
-    return gl.new_zeros(num_experts).index_add_(0, experts, counts).cumsum(0)
+    return gl.new_zeros(num_experts).index_add_(0, experts, counts)
 
 
 def _to_counts_or_cumsum(group_list: torch.Tensor, group_list_type: int,

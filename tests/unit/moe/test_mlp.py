@@ -81,10 +81,12 @@ def test_group_list_fixture_conversions() -> None:
     assert cumsum_group_list(pairs, 2, 0, num_experts=4).tolist() == cumsum.tolist()
 
 
-@pytest.mark.parametrize("src, dst", [(0, 2), (2, 1), (1, 2)])
-def test_group_list_unsupported_conversions(src: int, dst: int) -> None:
-    with pytest.raises(NotImplementedError, match="under development"):
-        cumsum_group_list(torch.tensor([1, 2]), src, dst)
+@pytest.mark.parametrize("src, dst", [(0, 2), (2, 1), (1, 2), (2, 0), (0, 1), (1, 0)])
+def test_group_list_all_conversions_round_trip(src: int, dst: int) -> None:
+    counts = torch.tensor([2, 0, 3, 0, 1])
+    forms = {1: counts, 0: counts.cumsum(0), 2: torch.tensor([[0, 2], [2, 3], [4, 1]])}
+    out = cumsum_group_list(forms[src], src, dst, num_experts=5)
+    assert torch.equal(out, forms[dst])
 
 
 def test_group_list_validation(weights) -> None:
