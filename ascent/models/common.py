@@ -7,7 +7,7 @@ tensor-parallel aware; projections are fused (QKV, gate/up) and the residual add
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -108,17 +108,19 @@ def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))`` with the residual carried separately."""
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))`` with the residual carried separately.
 
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int, dtype: torch.dtype,
-                 qk_norm: bool = False, quant_config: Any | None = None, prefix: str = "") -> None:
+    ``self_attn(positions, hidden) -> hidden`` and ``mlp(hidden) -> hidden`` are given by the model (dense attention
+    or MLA; dense MLP or MoE), so every architecture shares this block and the decoder stack below.
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
+                 dtype: torch.dtype) -> None:
         super().__init__()
-        self.self_attn = RopeSelfAttention(config, rotary_emb, dtype, qk_norm, layer_sliding_window(config, layer_idx),
-                                           quant_config, join_prefix(prefix, "self_attn"))
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
-                            bool(getattr(config, "mlp_bias", False)), dtype, quant_config, join_prefix(prefix, "mlp"))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,19 +134,34 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class DecoderModel(nn.Module):
-    """Embedding -> decoder layers -> final norm. ``forward(input_ids int64 [T], positions int64 [T]) -> [T, H]``."""
+def dense_mlp(config: Any, dtype: torch.dtype, quant_config: Any | None, prefix: str) -> GatedMLP:
+    """The config's dense gated MLP (``intermediate_size``)."""
+    return GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
+                    bool(getattr(config, "mlp_bias", False)), dtype, quant_config, prefix)
 
-    def __init__(self, config: Any, dtype: torch.dtype, qk_norm: bool = False, quant_config: Any | None = None,
+
+def rope_attention(config: Any, rotary_emb: RotaryEmbedding, layer_idx: int, dtype: torch.dtype, qk_norm: bool,
+                   quant_config: Any | None, prefix: str) -> RopeSelfAttention:
+    return RopeSelfAttention(config, rotary_emb, dtype, qk_norm, layer_sliding_window(config, layer_idx),
+                             quant_config, join_prefix(prefix, "self_attn"))
+
+
+LayerFactory = Callable[[int, RotaryEmbedding, str], nn.Module]
+
+
+class DecoderModel(nn.Module):
+    """Embedding -> decoder layers -> final norm. ``forward(input_ids int64 [T], positions int64 [T]) -> [T, H]``.
+
+    ``make_layer(layer_idx, rotary_emb, prefix)`` builds each layer (a ``DecoderLayer``)."""
+
+    def __init__(self, config: Any, dtype: torch.dtype, make_layer: LayerFactory, rotary_emb: RotaryEmbedding,
                  prefix: str = "") -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype,
                                                    prefix=join_prefix(prefix, "embed_tokens"))
-        self.rotary_emb = build_rope(config, dtype)
+        self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary_emb, i, dtype, qk_norm, quant_config, join_prefix(prefix, f"layers.{i}"))
-            for i in range(config.num_hidden_layers)
-        )
+            make_layer(i, rotary_emb, join_prefix(prefix, f"layers.{i}")) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -173,12 +190,22 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
-        self.model = DecoderModel(hf_config, dtype, self.qk_norm, quant_config, join_prefix(prefix, "model"))
+        self.model = self.build_model(hf_config, dtype, quant_config, join_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype,
                                       prefix=join_prefix(prefix, "lm_head"))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def build_model(self, config: Any, dtype: torch.dtype, quant_config: Any | None, prefix: str) -> DecoderModel:
+        """The decoder stack; architectures override this to change attention or MLP blocks."""
+
+        def make_layer(i: int, rope: RotaryEmbedding, layer_prefix: str) -> DecoderLayer:
+            attn = rope_attention(config, rope, i, dtype, self.qk_norm, quant_config, layer_prefix)
+            mlp = dense_mlp(config, dtype, quant_config, join_prefix(layer_prefix, "mlp"))
+            return DecoderLayer(attn, mlp, config.hidden_size, config.rms_norm_eps, dtype)
+
+        return DecoderModel(config, dtype, make_layer, build_rope(config, dtype), prefix)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

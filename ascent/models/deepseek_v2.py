@@ -21,11 +21,17 @@ import torch
 from torch import nn
 
 from ascent.attention.mla_layer import MLAAttention, build_mla_rope
-from ascent.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from ascent.layers.linear import ReplicatedLinear, default_weight_loader
-from ascent.layers.norm import RMSNorm
 from ascent.layers.rotary import RotaryEmbedding
-from ascent.models.common import SKIPPED_CHECKPOINT_SUFFIXES, GatedMLP, join_prefix
+from ascent.models.common import (
+    SKIPPED_CHECKPOINT_SUFFIXES,
+    DecoderForCausalLM,
+    DecoderLayer,
+    DecoderModel,
+    GatedMLP,
+    dense_mlp,
+    join_prefix,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,61 +85,12 @@ class DeepseekMoE(nn.Module):
         return out
 
 
-class DeepseekDecoderLayer(nn.Module):
-    """Pre-norm block ``h = x + mla(norm(x)); out = h + mlp(norm(h))`` (residual carried separately)."""
-
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int, dtype: torch.dtype,
-                 default_topk_method: str, quant_config: Any | None = None, prefix: str = "") -> None:
-        super().__init__()
-        self.self_attn = MLAAttention(config, rotary_emb, dtype, quant_config, join_prefix(prefix, "self_attn"))
-        mlp_prefix = join_prefix(prefix, "mlp")
-        self.mlp: nn.Module
-        if config.n_routed_experts and layer_idx >= (getattr(config, "first_k_dense_replace", 0) or 0):
-            self.mlp = DeepseekMoE(config, dtype, default_topk_method, quant_config, mlp_prefix)
-        else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
-                                bool(getattr(config, "mlp_bias", False)), dtype, quant_config, mlp_prefix)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+def _is_moe_layer(config: Any, layer_idx: int) -> bool:
+    return bool(config.n_routed_experts) and layer_idx >= (getattr(config, "first_k_dense_replace", 0) or 0)
 
 
-class DeepseekModel(nn.Module):
-    """Embedding -> decoder layers -> final norm. ``forward(input_ids int64 [T], positions int64 [T]) -> [T, H]``."""
-
-    def __init__(self, config: Any, dtype: torch.dtype, default_topk_method: str, quant_config: Any | None = None,
-                 prefix: str = "") -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype,
-                                                   prefix=join_prefix(prefix, "embed_tokens"))
-        self.rotary_emb = build_mla_rope(config, dtype)
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, self.rotary_emb, i, dtype, default_topk_method, quant_config,
-                                 join_prefix(prefix, f"layers.{i}"))
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-
-class DeepseekV2ForCausalLM(nn.Module):
-    """HF ``DeepseekV2ForCausalLM``.
+class DeepseekV2ForCausalLM(DecoderForCausalLM):
+    """HF ``DeepseekV2ForCausalLM``: the shared decoder stack with MLA attention and DeepSeek MoE blocks.
 
     ``forward(input_ids int64 [T], positions int64 [T]) -> hidden [T, hidden_size]`` (model dtype);
     ``compute_logits(hidden [N, hidden_size]) -> float32 [N, vocab_size]``;
@@ -142,23 +99,15 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     default_topk_method = "greedy"
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, prefix: str = "", quant_config: Any | None = None) -> None:
-        super().__init__()
-        self.config = hf_config
-        self.dtype = dtype
-        self.model = DeepseekModel(hf_config, dtype, self.default_topk_method, quant_config,
-                                   join_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype,
-                                      prefix=join_prefix(prefix, "lm_head"))
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+    def build_model(self, config: Any, dtype: torch.dtype, quant_config: Any | None, prefix: str) -> DecoderModel:
+        def make_layer(i: int, rope: RotaryEmbedding, layer_prefix: str) -> DecoderLayer:
+            attn = MLAAttention(config, rope, dtype, quant_config, join_prefix(layer_prefix, "self_attn"))
+            mlp_prefix = join_prefix(layer_prefix, "mlp")
+            mlp = (DeepseekMoE(config, dtype, self.default_topk_method, quant_config, mlp_prefix)
+                   if _is_moe_layer(config, i) else dense_mlp(config, dtype, quant_config, mlp_prefix))
+            return DecoderLayer(attn, mlp, config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        return DecoderModel(config, dtype, make_layer, build_mla_rope(config, dtype), prefix)
 
     def _skip(self, name: str) -> bool:
         if name.endswith(SKIPPED_CHECKPOINT_SUFFIXES) or (self.tie_word_embeddings and name.startswith("lm_head.")):

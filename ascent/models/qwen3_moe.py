@@ -16,18 +16,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascent.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from ascent.layers.fused_moe import FusedMoE, make_expert_params_mapping
 from ascent.layers.linear import ReplicatedLinear
-from ascent.layers.norm import RMSNorm
 from ascent.layers.rotary import RotaryEmbedding
 from ascent.models.common import (
     DecoderForCausalLM,
-    GatedMLP,
-    RopeSelfAttention,
+    DecoderLayer,
+    DecoderModel,
     build_rope,
+    dense_mlp,
     join_prefix,
-    layer_sliding_window,
+    rope_attention,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,76 +58,27 @@ def is_sparse_layer(config: Any, layer_idx: int) -> bool:
             and config.num_experts > 0 and (layer_idx + 1) % step == 0)
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
-    """Pre-norm block ``h = x + attn(norm(x)); out = h + mlp(norm(h))`` with a sparse or dense ``mlp``."""
-
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int, dtype: torch.dtype,
-                 quant_config: Any | None = None, prefix: str = "") -> None:
-        super().__init__()
-        self.self_attn = RopeSelfAttention(config, rotary_emb, dtype, True, layer_sliding_window(config, layer_idx),
-                                           quant_config, join_prefix(prefix, "self_attn"))
-        mlp_prefix = join_prefix(prefix, "mlp")
-        if is_sparse_layer(config, layer_idx):
-            self.mlp: nn.Module = Qwen3MoeSparseMoeBlock(config, dtype, mlp_prefix)
-        else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
-                                False, dtype, quant_config, mlp_prefix)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
-
-class Qwen3MoeModel(nn.Module):
-    """Embedding -> decoder layers -> final norm. ``forward(input_ids int64 [T], positions int64 [T]) -> [T, H]``."""
-
-    def __init__(self, config: Any, dtype: torch.dtype, quant_config: Any | None = None, prefix: str = "") -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype,
-                                                   prefix=join_prefix(prefix, "embed_tokens"))
-        self.rotary_emb = build_rope(config, dtype)
-        self.layers = nn.ModuleList(
-            Qwen3MoeDecoderLayer(config, self.rotary_emb, i, dtype, quant_config, join_prefix(prefix, f"layers.{i}"))
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
-
-
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
-    """HF ``Qwen3MoeForCausalLM``. Reuses the dense model's forward / logits / weight loading; expert tensors are
-    routed to ``FusedMoE.weight_loader`` (experts not local to this EP rank are skipped)."""
+    """HF ``Qwen3MoeForCausalLM``: the shared decoder stack with q/k-norm attention and sparse MoE blocks (dense MLP
+    on ``mlp_only_layers``). Expert tensors are routed to ``FusedMoE.weight_loader`` (experts not local to this EP
+    rank are skipped)."""
 
     qk_norm = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, prefix: str = "", quant_config: Any | None = None) -> None:
-        # The dense parent's __init__ would build dense decoder layers; build the same attributes with MoE layers.
-        nn.Module.__init__(self)
-        self.config = hf_config
-        self.dtype = dtype
-        self.model = Qwen3MoeModel(hf_config, dtype, quant_config, join_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype,
-                                      prefix=join_prefix(prefix, "lm_head"))
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        super().__init__(hf_config, dtype, prefix, quant_config)
         self._expert_mapping = {fragment: (param, expert, shard) for param, fragment, expert, shard
                                 in make_expert_params_mapping(hf_config.num_experts)}
+
+    def build_model(self, config: Any, dtype: torch.dtype, quant_config: Any | None, prefix: str) -> DecoderModel:
+        def make_layer(i: int, rope: RotaryEmbedding, layer_prefix: str) -> DecoderLayer:
+            attn = rope_attention(config, rope, i, dtype, True, quant_config, layer_prefix)
+            mlp_prefix = join_prefix(layer_prefix, "mlp")
+            mlp = (Qwen3MoeSparseMoeBlock(config, dtype, mlp_prefix) if is_sparse_layer(config, i)
+                   else dense_mlp(config, dtype, quant_config, mlp_prefix))
+            return DecoderLayer(attn, mlp, config.hidden_size, config.rms_norm_eps, dtype)
+
+        return DecoderModel(config, dtype, make_layer, build_rope(config, dtype), prefix)
 
     def _load_expert(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter],
                      seen: dict[str, set[tuple[int, str]]]) -> None:
