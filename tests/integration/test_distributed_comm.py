@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
 import traceback
 
 import pytest
@@ -16,6 +14,7 @@ from ascent.distributed import comm
 from ascent.distributed import parallel_state as ps
 from ascent.distributed.pg_registry import reuse_domain_for
 from ascent.distributed.stateless_group import StatelessProcessGroup
+from tests.fixtures.spawn import run_spawned
 
 WORLD = 2
 TIMEOUT_S = 120.0
@@ -105,24 +104,7 @@ def _child(rank: int, port: int, results) -> None:
 
 
 def test_groups_collectives_and_side_channel_over_gloo() -> None:
-    ctx = mp.get_context("spawn")
-    store = ps.create_rendezvous_store(timeout_s=TIMEOUT_S)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, store.port, results), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        reports = dict(results.get(timeout=TIMEOUT_S) for _ in range(WORLD))
-    except queue.Empty:
-        pytest.fail(f"children did not report within {TIMEOUT_S}s (exit codes {[p.exitcode for p in procs]})")
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert reports == {0: "ok", 1: "ok"}, "\n".join(str(v) for v in reports.values())
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_spawned(_child, WORLD, TIMEOUT_S)
 
 
 def test_single_process_defaults_and_validation() -> None:

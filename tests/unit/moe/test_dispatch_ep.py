@@ -8,8 +8,6 @@ Each child reports "ok" or a traceback through a queue; the parent waits with bo
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
 import traceback
 
 import pytest
@@ -19,6 +17,7 @@ from ascent.distributed import parallel_state as ps
 from ascent.layers.fused_moe import ExpertMap, FusedMoE, MoECommType, select_moe_comm
 from ascent.layers.fused_moe.dispatcher import MC2Dispatcher, make_dispatcher
 from tests.unit.moe.helpers import load_experts, random_experts
+from tests.fixtures.spawn import run_spawned
 
 WORLD, TIMEOUT_S = 2, 120.0
 E, K, H, INTER = 8, 2, 16, 12
@@ -126,23 +125,7 @@ def _child(rank: int, port: int, results) -> None:
 
 
 def test_expert_parallel_dispatch_equals_single_process() -> None:
-    ctx = mp.get_context("spawn")
-    store = ps.create_rendezvous_store(timeout_s=TIMEOUT_S)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, store.port, results), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        reports = dict(results.get(timeout=TIMEOUT_S) for _ in range(WORLD))
-    except queue.Empty:
-        pytest.fail(f"children did not report within {TIMEOUT_S}s (exit codes {[p.exitcode for p in procs]})")
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert reports == {0: "ok", 1: "ok"}, "\n".join(str(v) for v in reports.values())
+    run_spawned(_child, WORLD, TIMEOUT_S)
 
 
 @pytest.mark.parametrize("policy, ep, tokens, expected", [
