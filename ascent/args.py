@@ -65,6 +65,8 @@ class EngineArgs:
     tensor_parallel_size: int = field(default=1, metadata=_opt("tensor parallel size", short="-tp"))
     enable_expert_parallel: bool = field(default=False, metadata=_opt(
         "shard MoE experts across the TP ranks (expert parallelism) instead of slicing each expert"))
+    eplb_config: str | dict | None = field(default=None, metadata=_opt(
+        "expert-parallel load balancing JSON, e.g. '{\"policy\": \"swift\", \"num_redundant_experts\": 2}'"))
     load_format: str = field(default="auto", metadata=_opt("weight loader", LOAD_FORMATS))
     speculative_config: str | dict | None = field(default=None, metadata=_opt(
         "speculative decoding JSON with vLLM's keys, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'"))
@@ -142,6 +144,7 @@ class EngineArgs:
             device_config=device_config,
             disable_log_stats=self.disable_log_stats,
             speculative_config=_parse_speculative_config(self.speculative_config),
+            eplb_config=_parse_eplb_config(self.eplb_config),
         )
         config.finalize()
         return config
@@ -174,6 +177,14 @@ def _parse_speculative_config(value: Any) -> Any:
     if isinstance(value, SpeculativeConfig):
         return value
     return SpeculativeConfig.from_json(value)
+
+
+def _parse_eplb_config(value: Any) -> Any:
+    if value is None or value == "":
+        return None
+    from ascent.eplb.config import EplbConfig
+
+    return value if isinstance(value, EplbConfig) else EplbConfig.from_json(value)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

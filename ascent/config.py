@@ -154,6 +154,7 @@ class EngineConfig:
     device_config: DeviceConfig
     disable_log_stats: bool = False
     speculative_config: Any = None  # ascent.spec_decode.base.SpeculativeConfig when speculation is on
+    eplb_config: Any = None  # ascent.eplb.config.EplbConfig when expert-parallel load balancing is configured
 
     def finalize(self) -> None:
         """Cross-field checks once the model's limits are known."""
