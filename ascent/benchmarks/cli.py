@@ -114,4 +114,7 @@ def register_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     from ascent.benchmarks.spec import register_spec_bench_parser
 
     register_spec_bench_parser(commands)
+    from ascent.benchmarks.eplb import register_eplb_bench_parser
+
+    register_eplb_bench_parser(commands)
     return bench

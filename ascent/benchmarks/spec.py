@@ -355,6 +355,12 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "n/a" if value is None or not np.isfinite(value) else format(value, spec)
 
 
+def _equality(r: dict[str, Any]) -> str:
+    if r["outputs_equal_no_spec"]:
+        return "True"
+    return f"False ({r['num_mismatched_requests']} differ, first at output tokens {r['first_mismatch_positions']})"
+
+
 def format_summary(result: dict[str, Any]) -> str:
     """Human-readable summary of a spec-decode result."""
     lines = [f"spec decode  model={result['model']}  dtype={result['dtype']}  k={result['num_speculative_tokens']}  "
@@ -370,7 +376,7 @@ def format_summary(result: dict[str, Any]) -> str:
             lines.append(f"    {method:>6}: AL {_fmt(r['mean_acceptance_length'])}  acceptance "
                          f"{_fmt(r['acceptance_rate'], '.3f')}  per-pos {pos}  {_fmt(r['output_tokens_per_second'])} "
                          f"output tok/s  x{_fmt(r['speedup_vs_no_spec'])} vs no spec  outputs equal: "
-                         f"{r['outputs_equal_no_spec']}")
+                         f"{_equality(r)}")
     if result["env"]["load_warning"]:
         lines.append(f"  WARNING: 1-minute load {result['env']['loadavg'][0]:.2f} exceeds half the cores; "
                      "timings are unreliable")

@@ -87,7 +87,9 @@ class Executor(ABC):
             return UniProcExecutor(config)
         from ascent.executor.multiproc import MultiprocExecutor
 
-        return MultiprocExecutor(config)
+        eplb = getattr(config, "eplb_config", None)
+        # workers that run an EPLB policy process must not be daemons (daemons cannot have children)
+        return MultiprocExecutor(config, daemon=not (eplb is not None and eplb.enable))
 
     def determine_num_blocks(self) -> int:
         """KV blocks every rank can hold: the minimum of the ranks' own answers."""

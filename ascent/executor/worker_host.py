@@ -126,6 +126,9 @@ class WorkerHost:
         return info
 
     def close(self) -> None:
+        updator = getattr(self.worker, "eplb_updator", None) if hasattr(self, "worker") else None
+        if updator is not None:
+            updator.shutdown()  # stop the EPLB policy process before the groups go away
         if self.distributed:
             from ascent.distributed.parallel_state import destroy_distributed_environment
 

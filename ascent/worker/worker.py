@@ -22,11 +22,18 @@ class Worker:
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config)
         self.timings: dict[str, float] = {}
+        self.eplb_updator = None
 
     def load_model(self) -> None:
         start = time.perf_counter()
         self.model_runner.load_model()
         self.timings["load_weights_s"] = time.perf_counter() - start
+        eplb_config = getattr(self.config, "eplb_config", None)
+        if eplb_config is not None and eplb_config.enable:
+            from ascent.distributed.parallel_state import get_ep_group
+            from ascent.eplb.updator import EplbUpdator
+
+            self.eplb_updator = EplbUpdator(eplb_config, self.model_runner.model, get_ep_group())
 
     def determine_num_blocks(self) -> int:
         """KV blocks from ``--kv-cache-memory-bytes`` (default: a fraction of available memory), capped at what
@@ -66,4 +73,11 @@ class Worker:
             mc.max_model_len, tokens / mc.max_model_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        output = self.model_runner.execute_model(scheduler_output)
+        if self.eplb_updator is not None:
+            self.eplb_updator.after_forward()
+        return output
+
+    def eplb_stats(self) -> dict | None:
+        """EPLB metrics of this rank (None when EPLB is off)."""
+        return self.eplb_updator.stats() if self.eplb_updator is not None else None
