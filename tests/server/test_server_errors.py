@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 
 import httpx
 import openai
@@ -179,6 +180,9 @@ def test_stream_disconnect_aborts_and_frees_kv(server, gate):
 def test_non_stream_disconnect_aborts_and_frees_kv(server, gate):
     body = json.dumps({**GOOD, "max_tokens": 200, "ignore_eos": True}).encode()
     host, port = server.base_url.removeprefix("http://").split(":")
+    # let earlier requests' final steps (and their stat-observer calls) drain before counting from zero
+    assert wait_until(lambda: not server.engine.engine.has_unfinished_requests())
+    time.sleep(0.3)
     gate.close()
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
