@@ -5,21 +5,21 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
+
+from ascent.eplb import placement as placement_model
 
 
 def rank_loads(load: torch.Tensor, placement: torch.Tensor) -> torch.Tensor:
-    """Expected load per rank ``[L, R]`` of logical ``load [L, E]`` under ``placement [L, R, S]`` (logical id per
-    slot), a replicated expert's load split evenly among its replicas."""
+    """Expected load per rank ``[L, R]`` (float64) of logical ``load [L, E]`` under ``placement [L, R, S]`` (logical
+    id per slot), a replicated expert's load split evenly among its replicas — ``ascent.eplb.placement.rank_loads``
+    on torch tensors."""
     if load.dim() != 2 or placement.dim() != 3 or load.shape[0] != placement.shape[0]:
         raise ValueError(f"load shape {tuple(load.shape)} / placement shape {tuple(placement.shape)} must be "
                          f"[L, E] / [L, R, S] with the same L")
-    layers, ranks, slots = placement.shape
-    flat = placement.reshape(layers, ranks * slots).to(torch.int64)
-    replicas = torch.zeros_like(load, dtype=torch.float64).scatter_add_(
-        1, flat, torch.ones_like(flat, dtype=torch.float64))
-    per_slot = load.double().gather(1, flat) / replicas.gather(1, flat).clamp_min(1.0)
-    return per_slot.view(layers, ranks, slots).sum(2)
+    per_rank = placement_model.rank_loads(placement.cpu().numpy().astype(np.int64), load.double().cpu().numpy())
+    return torch.from_numpy(per_rank)
 
 
 def imbalance(per_rank: torch.Tensor) -> torch.Tensor:
