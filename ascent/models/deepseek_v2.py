@@ -71,6 +71,7 @@ class DeepseekMoE(nn.Module):
         self.experts = FusedMoE(config.n_routed_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.moe_intermediate_size, dtype, activation=getattr(config, "hidden_act", "silu"),
                                 prefix=join_prefix(prefix, "experts"),
+                                num_redundant_experts=getattr(config, "num_redundant_experts", 0) or 0,
                                 **routing_options(config, default_topk_method))
         self.shared_experts: GatedMLP | None = None
         if getattr(config, "n_shared_experts", None):

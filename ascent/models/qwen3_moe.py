@@ -45,7 +45,8 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             num_experts=config.num_experts, top_k=config.num_experts_per_tok, hidden_size=config.hidden_size,
             intermediate_size=config.moe_intermediate_size, params_dtype=dtype,
             renormalize=bool(getattr(config, "norm_topk_prob", True)),
-            activation=getattr(config, "hidden_act", "silu"), prefix=join_prefix(prefix, "experts"))
+            activation=getattr(config, "hidden_act", "silu"), prefix=join_prefix(prefix, "experts"),
+            num_redundant_experts=getattr(config, "num_redundant_experts", 0) or 0)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden_states, self.gate(hidden_states))

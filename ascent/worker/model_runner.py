@@ -3,9 +3,10 @@ computes logits only at sampled positions and samples."""
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -70,7 +71,8 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------------ setup
     def load_model(self) -> None:
         mc = self.model_config
-        self.model = get_model(mc.model, mc.hf_config, self.dtype, self.device, self.config.load_config.load_format)
+        self.model = get_model(mc.model, self._model_hf_config(), self.dtype, self.device,
+                               self.config.load_config.load_format)
         self._attn_layers = [m for m in self.model.modules() if _is_kv_layer(m)]
         if not self._attn_layers:
             raise ValueError(f"model {mc.model!r} has no attention layers")
@@ -80,6 +82,16 @@ class ModelRunner:
             self._attn_layers[0].backend, max_model_len=self.max_model_len,
             max_num_seqs=self.config.scheduler_config.max_num_seqs,
             chunked_prefill=self.config.scheduler_config.enable_chunked_prefill)
+
+    def _model_hf_config(self) -> Any:
+        """The HF config the model is built from; EPLB's redundant expert slots travel on a copy of it
+        (``num_redundant_experts``, read by the MoE models when they build ``FusedMoE``)."""
+        hf_config = self.model_config.hf_config
+        eplb = getattr(self.config, "eplb_config", None)
+        if eplb is not None and eplb.enable and eplb.num_redundant_experts:
+            hf_config = copy.copy(hf_config)
+            hf_config.num_redundant_experts = eplb.num_redundant_experts
+        return hf_config
 
     def attention_layers(self) -> list[Attention]:
         return self._attn_layers

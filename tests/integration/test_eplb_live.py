@@ -53,6 +53,16 @@ def test_rebalancing_during_generation_keeps_greedy_tokens(moe_dir: str, baselin
     assert len(stats[0]["imbalance"]) == 2 and stats[0]["last"]["stall_s"] > 0
 
 
+def test_redundant_expert_slots_keep_greedy_tokens(moe_dir: str, baseline: list[list[int]]) -> None:
+    """2 redundant slots (8 experts -> 10 physical, 5 per rank): replicas and their rebalancing change nothing."""
+    eplb = {"enable": True, "policy": "default", "window_size": 4, "step_interval": 3, "plan_delay_steps": 1,
+            "num_redundant_experts": 2}
+    tokens, stats = _run(moe_dir, eplb)
+    assert tokens == baseline
+    assert all(s["enabled"] for s in stats) and stats[0]["placement"] == stats[1]["placement"]
+    assert len(stats[0]["placement"][0]) * len(stats[0]["placement"][0][0]) == 10
+
+
 def test_killed_policy_process_disables_rebalancing_and_generation_completes(
         moe_dir: str, baseline: list[list[int]], capfd) -> None:
     eplb = {"enable": True, "policy": "swift", "window_size": 4, "step_interval": 3, "plan_delay_steps": 1}
