@@ -33,7 +33,7 @@ from ascent.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from ascent.attention.backends.sdpa import _context_slots
+from ascent.attention.backends.sdpa import _context_slots, paged_kv_cache_shape, write_plan
 from ascent.attention.mask import AttentionMaskBuilder, causal_additive_mask
 
 SUPPORTED_KERNEL_BLOCK_SIZES = (128, 64)
@@ -178,7 +178,7 @@ class A310PMetadataBuilder(AttentionMetadataBuilder):
             raise ValueError(f"seq_lens {seq_lens.tolist()} != num_computed {computed.tolist()} + query lens "
                              f"{query_lens.tolist()}")
         state = attention_state(query_lens, computed, self.chunked_prefill, self.num_spec_tokens)
-        write_slots, write_rows = _write_plan(common.slot_mapping)
+        write_slots, write_rows = write_plan(common.slot_mapping)
         md = A310PMetadata(state, common.num_actual_tokens, write_slots, write_rows, None,
                            seq_lens, common.seq_lens[:num_reqs], common.block_table, [], None, self.mask_builder,
                            self.compressed_mask)
@@ -211,14 +211,6 @@ class A310PMetadataBuilder(AttentionMetadataBuilder):
         out = self._query_lens_buf[:num_reqs]
         np.subtract(qsl[1:], qsl[:-1], out=out, casting="unsafe")
         return out
-
-
-def _write_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    valid = slot_mapping >= 0
-    if bool(valid.all()):
-        return slot_mapping.to(torch.int64), None
-    rows = valid.nonzero().squeeze(1)
-    return slot_mapping.index_select(0, rows).to(torch.int64), rows
 
 
 def _plan_decode(common: CommonAttentionMetadata, req_indices: np.ndarray, qsl: np.ndarray,
@@ -328,7 +320,7 @@ class A310PBackend(AttentionBackend):
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        return paged_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def get_supported_kernel_block_sizes() -> tuple[int, ...]:

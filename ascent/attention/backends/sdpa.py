@@ -101,6 +101,21 @@ def _context_slots(block_rows: torch.Tensor, block_size: int, length: int) -> to
     return blocks * block_size + offsets
 
 
+def write_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KV write plan shared by the paged backends: int64 destination slots and the token rows they come from
+    (None = rows ``0..len(slots)-1``); rows with slot -1 (padding) are left out."""
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return slot_mapping.to(torch.int64), None
+    rows = valid.nonzero().squeeze(1)
+    return slot_mapping.index_select(0, rows).to(torch.int64), rows
+
+
+def paged_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+    """``[2 (K, V), num_blocks, block_size, num_kv_heads, head_size]``, the layout of the SDPA and 310P backends."""
+    return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
 class SDPAMetadataBuilder(AttentionMetadataBuilder):
     """Builds ``SDPAMetadata`` from host-side lengths (no device synchronization except the -1 slot check)."""
 
@@ -112,7 +127,7 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
         if np.any(computed + query_lens != seq_lens):
             raise ValueError(f"seq_lens {seq_lens.tolist()} != num_computed {computed.tolist()} + query lens "
                              f"{query_lens.tolist()}")
-        write_slots, write_rows = self._write_plan(common.slot_mapping)
+        write_slots, write_rows = write_plan(common.slot_mapping)
         decode_idx = np.flatnonzero(query_lens == 1)
         md = SDPAMetadata(common.num_actual_tokens, write_slots, write_rows, len(decode_idx), None, 0, None, None,
                           None, [])
@@ -121,14 +136,6 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
         for i in np.flatnonzero(query_lens > 1):
             md.prefills.append(self._plan_prefill(common, int(i), qsl, seq_lens, computed))
         return md
-
-    @staticmethod
-    def _write_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        valid = slot_mapping >= 0
-        if bool(valid.all()):
-            return slot_mapping.to(torch.int64), None
-        rows = valid.nonzero().squeeze(1)
-        return slot_mapping.index_select(0, rows).to(torch.int64), rows
 
     @staticmethod
     def _plan_decodes(md: SDPAMetadata, common: CommonAttentionMetadata, decode_idx: np.ndarray, qsl: np.ndarray,
@@ -265,7 +272,7 @@ class SDPABackend(AttentionBackend):
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        return paged_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def get_builder_cls() -> type[SDPAMetadataBuilder]:
