@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from ascent.attention.backend import CommonAttentionMetadata
 from ascent.attention.backends.sdpa import SDPABackend
 from ascent.attention.layer import Attention, get_attn_backend
 from ascent.forward_context import get_forward_context, set_forward_context
+from tests.fixtures.paged_case import make_paged_case
 
 NUM_HEADS, NUM_KV_HEADS, HEAD = 8, 2, 16
 BLOCK_SIZE, NUM_BLOCKS = 4, 40
@@ -40,42 +40,14 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_computed: i
 
 
 def make_case(rng: np.random.Generator, dtype: torch.dtype, pad: int):
-    """Requests as (num_computed, num_new); the cached prefixes are written into the cache beforehand."""
+    """Requests as (num_computed, num_new), in random order; the cached prefixes are written into the cache."""
     reqs = [(11, 1), (0, 7), (5, 1), (9, 6), (0, 1), (3, 4), (17, 1)]
-    order = rng.permutation(len(reqs))
-    reqs = [reqs[i] for i in order]
-    free = list(rng.permutation(np.arange(1, NUM_BLOCKS)))
-    cache = torch.full((2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD), SENTINEL, dtype=dtype)
-    flat = cache.view(2, -1, NUM_KV_HEADS * HEAD)
-    width = max(-(-(c + n) // BLOCK_SIZE) for c, n in reqs) + 2
-    table = np.zeros((len(reqs), width), dtype=np.int32)
-    full_k, full_v, slots = [], [], []
-    for i, (c, n) in enumerate(reqs):
-        nblocks = -(-(c + n) // BLOCK_SIZE)
-        table[i, :nblocks] = [free.pop() for _ in range(nblocks)]
-        req_slots = [int(table[i, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(c + n)]
-        k = torch.randn(c + n, NUM_KV_HEADS * HEAD).to(dtype)
-        v = torch.randn(c + n, NUM_KV_HEADS * HEAD).to(dtype)
-        flat[0, req_slots[:c]], flat[1, req_slots[:c]] = k[:c], v[:c]
-        full_k.append(k)
-        full_v.append(v)
-        slots += req_slots[c:]
-    new_lens = [n for _, n in reqs]
-    qsl = np.concatenate([[0], np.cumsum(new_lens)]).astype(np.int32)
-    total = int(qsl[-1])
-    q = torch.randn(total + pad, NUM_HEADS * HEAD).to(dtype)
-    k_new = torch.cat([k[c:] for k, (c, _) in zip(full_k, reqs)] + [torch.randn(pad, NUM_KV_HEADS * HEAD).to(dtype)])
-    v_new = torch.cat([v[c:] for v, (c, _) in zip(full_v, reqs)] + [torch.randn(pad, NUM_KV_HEADS * HEAD).to(dtype)])
-    computed = np.array([c for c, _ in reqs], dtype=np.int32)
-    seq_lens = computed + np.array(new_lens, dtype=np.int32)
-    common = CommonAttentionMetadata(
-        query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(seq_lens),
-        num_computed_tokens=torch.from_numpy(computed), block_table=torch.from_numpy(table),
-        slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64), query_start_loc_np=qsl,
-        seq_lens_np=seq_lens, num_computed_tokens_np=computed, num_reqs=len(reqs), num_actual_tokens=total,
-        max_query_len=max(new_lens), max_seq_len=int(seq_lens.max()), block_size=BLOCK_SIZE,
-    )
-    return reqs, common, cache, q, k_new, v_new, full_k, full_v
+    reqs = [reqs[i] for i in rng.permutation(len(reqs))]
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
+    case = make_paged_case(reqs, dtype, pad, rng, gen, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                           num_kv_heads=NUM_KV_HEADS, num_heads=NUM_HEADS, head=HEAD, sentinel=SENTINEL,
+                           spare_blocks=2)
+    return (reqs, *case)
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from ascent.attention.backend import CommonAttentionMetadata
 from ascent.attention.backends.a310p import A310PAttentionState, A310PBackend, A310PMetadataBuilder, attention_state
 from ascent.attention.backends.sdpa import SDPABackend
+from tests.fixtures.paged_case import make_paged_case
 
 NUM_HEADS, NUM_KV_HEADS, HEAD = 8, 2, 16
 BLOCK_SIZE, NUM_BLOCKS = 4, 48
@@ -46,41 +46,9 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_computed: i
 
 def make_case(reqs: list[tuple[int, int]], dtype: torch.dtype, pad: int, seed: int):
     """Random block tables; cached prefixes written beforehand; new K/V rows plus ``pad`` padding rows (slot -1)."""
-    rng = np.random.default_rng(seed)
-    gen = torch.Generator().manual_seed(seed)
-    free = list(rng.permutation(np.arange(1, NUM_BLOCKS)))
-    cache = torch.full((2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD), SENTINEL, dtype=dtype)
-    flat = cache.view(2, -1, NUM_KV_HEADS * HEAD)
-    width = max(-(-(c + n) // BLOCK_SIZE) for c, n in reqs) + 1
-    table = np.zeros((len(reqs), width), dtype=np.int32)
-    full_k, full_v, slots = [], [], []
-    for i, (c, n) in enumerate(reqs):
-        nblocks = -(-(c + n) // BLOCK_SIZE)
-        table[i, :nblocks] = [free.pop() for _ in range(nblocks)]
-        req_slots = [int(table[i, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(c + n)]
-        k = torch.randn(c + n, NUM_KV_HEADS * HEAD, generator=gen).to(dtype)
-        v = torch.randn(c + n, NUM_KV_HEADS * HEAD, generator=gen).to(dtype)
-        flat[0, req_slots[:c]], flat[1, req_slots[:c]] = k[:c], v[:c]
-        full_k.append(k)
-        full_v.append(v)
-        slots += req_slots[c:]
-    new_lens = [n for _, n in reqs]
-    qsl = np.concatenate([[0], np.cumsum(new_lens)]).astype(np.int32)
-    total = int(qsl[-1])
-    noise = [torch.randn(pad, NUM_KV_HEADS * HEAD, generator=gen).to(dtype) for _ in range(2)]
-    q = torch.randn(total + pad, NUM_HEADS * HEAD, generator=gen).to(dtype)
-    k_new = torch.cat([k[c:] for k, (c, _) in zip(full_k, reqs)] + [noise[0]])
-    v_new = torch.cat([v[c:] for v, (c, _) in zip(full_v, reqs)] + [noise[1]])
-    computed = np.array([c for c, _ in reqs], dtype=np.int32)
-    seq_lens = computed + np.array(new_lens, dtype=np.int32)
-    common = CommonAttentionMetadata(
-        query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(seq_lens),
-        num_computed_tokens=torch.from_numpy(computed), block_table=torch.from_numpy(table),
-        slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64), query_start_loc_np=qsl,
-        seq_lens_np=seq_lens, num_computed_tokens_np=computed, num_reqs=len(reqs), num_actual_tokens=total,
-        max_query_len=max(new_lens), max_seq_len=int(seq_lens.max()), block_size=BLOCK_SIZE,
-    )
-    return common, cache, q, k_new, v_new, full_k, full_v
+    return make_paged_case(reqs, dtype, pad, np.random.default_rng(seed), torch.Generator().manual_seed(seed),
+                           num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS,
+                           num_heads=NUM_HEADS, head=HEAD, sentinel=SENTINEL)
 
 
 def run_backend(backend, builder, common, cache, q, k, v, window=None):
