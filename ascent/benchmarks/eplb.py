@@ -1,4 +1,5 @@
-"""``ascent bench eplb``: EPLB policies on seeded synthetic traces vs a DeepSeek-algorithm baseline (specs §4).
+"""``ascent bench eplb``: EPLB policies on seeded synthetic traces, and on the ``recorded`` trace of our own MoE model
+(``ascent.benchmarks.eplb_recorded``), vs a DeepSeek-algorithm baseline (specs §4).
 
 Per trace and policy: the policy is fitted on window k (starting from the trace's placement and keeping its own
 placement and state across windows) and evaluated per step on window k + 1. Reported: mean imbalance (max/mean rank
@@ -16,14 +17,15 @@ from typing import Any
 import numpy as np
 
 from ascent.benchmarks.common import collect_env, write_json
-from ascent.benchmarks.eplb_traces import GENERATORS, Shape, Trace, make_trace
+from ascent.benchmarks.eplb_recorded import RecordedSpec
+from ascent.benchmarks.eplb_traces import TRACE_NAMES, Shape, Trace, make_trace
 from ascent.benchmarks.png import heatmap_panels, write_png
 from ascent.eplb.placement import DEEPSEEK_V3_EXPERT_BYTES, imbalance, per_step_imbalance, rank_loads, \
     received_slots
 from ascent.eplb.policy import PolicyFactory
 
 DEFAULT_TRACES = ("zipf_0.8", "zipf_1.0", "zipf_1.2", "dirichlet_0.3", "drift_random_walk", "drift_regime_switch",
-                  "drift_rotation", "layer_correlated", "policy_ut")
+                  "drift_rotation", "layer_correlated", "policy_ut", "recorded")
 DEFAULT_POLICIES = ("default", "swift", "flashlb")
 
 
@@ -110,10 +112,13 @@ def write_heatmap(path: str, before: np.ndarray, after: np.ndarray) -> str:
 
 def run_eplb(args: argparse.Namespace) -> dict[str, Any]:
     shape = Shape(args.layers, args.experts, args.ranks, args.slots, args.window, args.windows, args.tokens_per_step)
+    recorded = RecordedSpec(layers=args.recorded_layers, experts=args.recorded_experts, top_k=args.recorded_top_k,
+                            ranks=args.recorded_ranks, prompts=args.recorded_prompts,
+                            max_tokens=args.recorded_max_tokens)
     results: dict[str, Any] = {}
     heat_done = None
     for name in args.traces:
-        trace = make_trace(name, shape, args.seed)
+        trace = make_trace(name, shape, args.seed, recorded=recorded)
         base = evaluate(DeepSeekBaseline(), trace, args.bytes_per_expert)
         rows = {"deepseek": base}
         for policy_name in args.policies:
@@ -125,6 +130,11 @@ def run_eplb(args: argparse.Namespace) -> dict[str, Any]:
         for row in rows.values():
             row.pop("_heat")
         results[name] = rows
+        if name == "recorded":
+            results[name]["_trace"] = {"steps": int(trace.load.shape[0]), "window": trace.window,
+                                       "layers": int(trace.load.shape[1]), "experts": int(trace.load.shape[2]),
+                                       **{k: v for k, v in trace.meta.items() if k != "tokens"},
+                                       "tokens_per_step": trace.meta["tokens"]}
         _print_trace(name, rows)
     out = {"shape": vars(shape), "seed": args.seed, "bytes_per_expert": args.bytes_per_expert,
            "traces": results, "heatmap": heat_done, "env": collect_env("float64", None)}
@@ -136,6 +146,8 @@ def run_eplb(args: argparse.Namespace) -> dict[str, Any]:
 def _print_trace(name: str, rows: dict[str, dict[str, Any]]) -> None:
     print(f"[{name}]")
     for policy, r in rows.items():
+        if policy.startswith("_"):
+            continue
         print(f"  {policy:9s} fit {r['imbalance_fitted_before']:.3f}->{r['imbalance_fitted']:.3f}  next "
               f"{r['imbalance_next_window_before']:.3f}->{r['imbalance_next_window']:.3f}  moved {r['slots_moved']:6d} "
               f"({r['slots_moved_fraction']:.1%})  {r['compute_ms_mean']:.0f} ms", flush=True)
@@ -156,8 +168,9 @@ def _names(choices: Any) -> Any:
 
 
 def add_eplb_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--traces", type=_names(GENERATORS), default=list(DEFAULT_TRACES),
-                        help="comma-separated trace names")
+    parser.add_argument("--traces", type=_names(TRACE_NAMES), default=list(DEFAULT_TRACES),
+                        help="comma-separated trace names ('recorded': loads of a synthetic-weight Qwen3-MoE served "
+                             "by ascent, sized by the --recorded-* flags)")
     parser.add_argument("--policies", type=_names(("random", "default", "swift", "flashlb")),
                         default=list(DEFAULT_POLICIES), help="comma-separated policies")
     for flag, default, text in (("--layers", 58, "MoE layers"), ("--experts", 256, "logical experts"),
@@ -165,6 +178,13 @@ def add_eplb_args(parser: argparse.ArgumentParser) -> None:
                                 ("--window", 50, "steps per rebalance window"),
                                 ("--windows", 4, "windows per trace (drifting: chained rebalances)"),
                                 ("--tokens-per-step", 65536, "routed (token, expert) pairs per step and layer")):
+        parser.add_argument(flag, type=int, default=default, help=text)
+    for flag, default, text in (("--recorded-layers", 8, "recorded trace: MoE layers"),
+                                ("--recorded-experts", 64, "recorded trace: experts"),
+                                ("--recorded-top-k", 8, "recorded trace: experts per token"),
+                                ("--recorded-ranks", 8, "recorded trace: EP ranks (slots = experts/ranks + 1)"),
+                                ("--recorded-prompts", 32, "recorded trace: seeded random prompts"),
+                                ("--recorded-max-tokens", 24, "recorded trace: tokens generated per prompt")):
         parser.add_argument(flag, type=int, default=default, help=text)
     parser.add_argument("--seed", type=int, default=0, help="trace seed")
     parser.add_argument("--bytes-per-expert", type=int, default=DEEPSEEK_V3_EXPERT_BYTES,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -161,8 +162,16 @@ GENERATORS: dict[str, Callable[[Shape, int], Trace]] = {
 }
 
 
-def make_trace(name: str, shape: Shape, seed: int = 0) -> Trace:
-    """Build the named trace; raises ``ValueError`` for an unknown name."""
+TRACE_NAMES = (*GENERATORS, "recorded")  # "recorded": loads of our own MoE model (ascent.benchmarks.eplb_recorded)
+
+
+def make_trace(name: str, shape: Shape, seed: int = 0, recorded: Any = None) -> Trace:
+    """Build the named trace; raises ``ValueError`` for an unknown name. ``recorded`` (a ``RecordedSpec``, default
+    spec if None) sizes the ``recorded`` trace, which keeps its own layers / experts / ranks and ``shape.windows``."""
+    if name == "recorded":
+        from ascent.benchmarks.eplb_recorded import RecordedSpec, recorded_trace
+
+        return recorded_trace(recorded or RecordedSpec(), seed, shape.windows)
     if name not in GENERATORS:
-        raise ValueError(f"unknown trace {name!r}; expected one of {sorted(GENERATORS)}")
+        raise ValueError(f"unknown trace {name!r}; expected one of {sorted(TRACE_NAMES)}")
     return GENERATORS[name](shape, seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from ascent.config import EngineConfig
 from ascent.core.kv_cache.hashing import make_block_hasher
@@ -15,6 +16,9 @@ from ascent.platform.device_config import check_platform, describe, set_current_
 from ascent.platform.profile import HardwareCapability
 from ascent.executor.base import Executor
 from ascent.worker.worker import Worker
+
+if TYPE_CHECKING:
+    from ascent.eplb.engine_stats import EplbStatsCollector
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,17 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, cc, mc.max_model_len, self.kv_cache_manager,
                                    zero_new_blocks=profile.supports(HardwareCapability.COMPATIBILITY_OP_IMPLEMENTATIONS))
         self.timings = dict(self.executor.timings)
+        self.eplb_stats = self._make_eplb_collector(config)
+
+    def _make_eplb_collector(self, config: EngineConfig) -> "EplbStatsCollector | None":
+        """Poller of the workers' EPLB summaries (None when EPLB is off)."""
+        eplb = getattr(config, "eplb_config", None)
+        if eplb is None or not eplb.enable:
+            return None
+        from ascent.eplb.engine_stats import MULTIPROC_POLL_STEPS, EplbStatsCollector
+
+        in_process = getattr(self.executor, "driver_worker", None) is not None
+        return EplbStatsCollector(self.executor.collective_rpc, 1 if in_process else MULTIPROC_POLL_STEPS)
 
     @property
     def worker(self) -> Worker:
@@ -72,10 +87,15 @@ class EngineCore:
             return []
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
+        if self.eplb_stats is not None:
+            self.eplb_stats.after_step()
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        if self.eplb_stats is not None:
+            stats.eplb = self.eplb_stats.take()
+        return stats
 
     def shutdown(self) -> None:
         self.executor.shutdown()

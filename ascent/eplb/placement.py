@@ -113,10 +113,24 @@ def preserve_local_slots(old_row: np.ndarray, new_row: np.ndarray) -> np.ndarray
 
 
 def preserve_slots(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """:func:`preserve_local_slots` for every (layer, rank) of ``[L, R, S]`` placements."""
-    out = new.copy()
-    for layer in range(new.shape[0]):
-        for rank in range(new.shape[1]):
-            if not np.array_equal(old[layer, rank], new[layer, rank]):
-                out[layer, rank] = preserve_local_slots(old[layer, rank], new[layer, rank])
-    return out
+    """:func:`preserve_local_slots` for every (layer, rank) row of ``[..., S]`` placements, vectorised.
+
+    Old slot ``i`` keeps its expert ``e`` iff ``e``'s occurrence index among ``old[:i]`` is below ``e``'s count in the
+    new row; the first that-many occurrences of ``e`` in the new row are consumed; the unconsumed new experts (in
+    new-row order) fill the freed slots left to right."""
+    if old.shape != new.shape:
+        raise ValueError(f"placement shapes differ: {old.shape} vs {new.shape}")
+    slots = old.shape[-1]
+    o, n = old.reshape(-1, slots), new.reshape(-1, slots)
+    before = np.tri(slots, k=-1, dtype=bool)  # before[i, j]: j < i
+    occ_old = ((o[:, :, None] == o[:, None, :]) & before).sum(axis=2)
+    occ_new = ((n[:, :, None] == n[:, None, :]) & before).sum(axis=2)
+    kept = occ_old < (o[:, :, None] == n[:, None, :]).sum(axis=2)
+    consumed = occ_new < (n[:, :, None] == o[:, None, :]).sum(axis=2)
+    free = np.argsort(kept, axis=1, kind="stable")  # freed slots first, left to right
+    rest = np.argsort(consumed, axis=1, kind="stable")  # unconsumed new experts first, in new-row order
+    out = np.where(kept, o, -1)
+    fill = np.arange(slots)[None, :] < (~kept).sum(axis=1, keepdims=True)
+    rows = np.broadcast_to(np.arange(o.shape[0])[:, None], fill.shape)
+    out[rows[fill], free[fill]] = np.take_along_axis(n, rest, axis=1)[fill]
+    return out.reshape(old.shape)

@@ -206,8 +206,7 @@ class EplbUpdator:
         return stats
 
     def _disable(self, reason: str) -> None:
-        self.metrics.enabled = False
-        self.metrics.disabled_reason = reason
+        self.metrics.disable(reason)
         logger.error("EPLB disabled on EP rank %d: %s", self.ep_group.rank_in_group, reason)
         self.shutdown()
 
@@ -217,6 +216,10 @@ class EplbUpdator:
         out["policy_pid"] = self.worker.pid if self.worker is not None else None
         out["placement"] = self.placement().tolist()
         return out
+
+    def summary(self, since_version: int = -1, since_rebalances: int = 0) -> dict[str, Any] | None:
+        """Compact metrics for the engine (:meth:`EplbMetrics.summary`); None when unchanged."""
+        return self.metrics.summary(since_version, since_rebalances)
 
     def shutdown(self) -> None:
         """Stop the policy process (idempotent)."""

@@ -28,6 +28,11 @@ class LoggingStatLogger:
         self._hits += stats.prefix_cache_hits
         self._preemptions += stats.num_preemptions
         self._last = stats
+        if stats.eplb:
+            from ascent.eplb.engine_stats import format_rebalance_log
+
+            for line in format_rebalance_log(stats.eplb):
+                logger.info("%s", line)
         if time.monotonic() - self._last_log >= self.interval_s:
             self.log()
 

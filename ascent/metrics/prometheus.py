@@ -65,6 +65,7 @@ class EngineMetrics:
         if kv_cache_usage_fn is not None:
             self.kv_cache_usage.set_function(self._read_kv_usage)
         self._error_logged = False
+        self._eplb: Any = None
 
     def _read_kv_usage(self) -> float:
         try:
@@ -165,6 +166,16 @@ class EngineMetrics:
         _inc(self.num_preemptions, stats.num_preemptions)
         if stats.spec_decoding is not None:
             self._record_spec(stats.spec_decoding)
+        if stats.eplb:
+            self._record_eplb(stats.eplb)
+
+    def _record_eplb(self, summary: dict) -> None:
+        """EPLB series (``ascent.eplb.prometheus_export``), registered on the first EPLB summary."""
+        if self._eplb is None:
+            from ascent.eplb.prometheus_export import EplbPrometheus
+
+            self._eplb = EplbPrometheus(self.registry, self._labels)
+        self._eplb.record(summary)
 
     def _record_spec(self, spec: SpecDecodingStats) -> None:
         _inc(self.spec_decode_num_drafts, spec.num_drafts)

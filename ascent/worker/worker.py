@@ -81,3 +81,10 @@ class Worker:
     def eplb_stats(self) -> dict | None:
         """EPLB metrics of this rank (None when EPLB is off)."""
         return self.eplb_updator.stats() if self.eplb_updator is not None else None
+
+    def eplb_summary(self, since_version: int = -1, since_rebalances: int = 0) -> dict | None:
+        """Compact EPLB metrics for the engine's stat loggers; None when EPLB is off or nothing changed since
+        ``since_version`` (see ``ascent.eplb.stats.EplbMetrics.summary``)."""
+        if self.eplb_updator is None:
+            return None
+        return self.eplb_updator.summary(since_version, since_rebalances)

@@ -4,19 +4,21 @@ Per layer: hotness samples ``X`` [T', E] (+1 smoothing, consecutive steps averag
 mean ``mu``, unbiased variance and covariance. Replica counts come from a min-max greedy on the risk ``mu + z sigma``
 searched block-wise (FlashTree: experts split into ``depth`` blocks by risk; the copies given to each block are
 searched in ``guess +- width``), each candidate deployed by a covariance-aware LPT and scored by the time-averaged
-peak-to-average ratio on ``X``. The winner is mapped onto the current ranks with a Hungarian assignment maximising
-retained experts, retained experts keep their slot, and only layers whose score improves are returned (and only those
-update the policy state).
+peak-to-average ratio on ``X``. The winner is mapped onto the current ranks with a greedy maximum-overlap matching
+(retained experts keep their slot). A second, incremental candidate starts from the current placement, reaches the
+same replica counts with few moves and refines it with pairwise swaps; per layer the full re-plan is only preferred
+when its score gain exceeds ``move_cost`` per extra moved slot. Only layers whose score improves are returned (and only
+those update the policy state).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 
-from ascent.eplb.placement import preserve_local_slots, replica_counts
+from ascent.eplb.placement import replica_counts, slot_moves
 from ascent.eplb.policy.base import EplbPolicy
+from ascent.eplb.policy.min_move import incremental_plan, match_ranks
 
 Z_75 = 0.6744897501960817
 
@@ -105,31 +107,29 @@ def peak_to_average(samples: np.ndarray, layer_of: np.ndarray, counts: np.ndarra
 
 
 def minimize_redeploy(current: np.ndarray, best: np.ndarray) -> np.ndarray:
-    """Map the rows of ``best`` [R, S] onto the ranks of ``current`` maximising retained experts (Hungarian), then
-    keep retained experts in their old slot."""
-    num = int(max(current.max(), best.max())) + 1
-    hist_c = np.stack([np.bincount(r, minlength=num) for r in current])
-    hist_b = np.stack([np.bincount(r, minlength=num) for r in best])
-    match = np.minimum(hist_c[:, None, :], hist_b[None, :, :]).sum(axis=2)
-    rank_idx, best_idx = linear_sum_assignment(current.shape[1] - match)
-    out = np.empty_like(current)
-    for r, b in zip(rank_idx, best_idx):
-        out[r] = preserve_local_slots(current[r], best[b])
-    return out
+    """Map the rows of ``best`` [R, S] onto the ranks of ``current`` maximising retained experts (greedy matching),
+    then keep retained experts in their old slot."""
+    return match_ranks(current[None], best[None])[0]
 
 
 class FlashLB(EplbPolicy):
     """FlashLB. ``layers_upper_bound`` > 0 caps the layers updated per call. The original's FlashTree defaults
     (depth 4, width 8) cost ~50 LPT runs per layer (seconds for 58 layers in numpy); the defaults here (depth 2,
-    width 1) keep a 58 x 256 x 32 rebalance well under 0.5 s with the same balance on the policy-test trace."""
+    width 0: the block split's guess only) keep a 58 x 256 x 32 rebalance well under 0.5 s with the same balance on
+    the policy-test and drifting traces as width 1. ``move_cost``: score (peak-to-average) a moved slot must buy for
+    a plan with more moves to win; the default 5e-3 (a full re-plan of ~250 more slots must lower the layer's
+    peak-to-average by ~1.25) keeps the incremental plan on drifting load and the full re-plan where the incremental
+    one cannot improve the per-step score."""
 
     name = "flashlb"
 
-    def __init__(self, z: float = Z_75, depth: int = 2, width: int = 1, sample_size: int = 64,
+    def __init__(self, z: float = Z_75, depth: int = 2, width: int = 0, sample_size: int = 64,
                  layers_upper_bound: int = -1, update_ratio: float | None = None,
-                 update_value: float | None = None) -> None:
-        if depth < 1 or width < 0 or sample_size < 1:
-            raise ValueError(f"depth={depth}, width={width}, sample_size={sample_size} invalid")
+                 update_value: float | None = None, move_cost: float = 5e-3) -> None:
+        if depth < 1 or width < 0 or sample_size < 1 or move_cost < 0:
+            raise ValueError(f"depth={depth}, width={width}, sample_size={sample_size}, move_cost={move_cost} "
+                             "invalid")
+        self.move_cost = move_cost
         self.z, self.depth, self.width, self.sample_size = z, depth, width, sample_size
         self.layers_upper_bound = layers_upper_bound
         self.update_ratio, self.update_value = update_ratio, update_value
@@ -145,8 +145,10 @@ class FlashLB(EplbPolicy):
                 for i in range(layers)]
         return np.flatnonzero(need)
 
-    def _search(self, samples: np.ndarray, layers: np.ndarray, ranks: int, slots: int) -> np.ndarray:
-        """FlashTree over ``layers``: returns int64 [U, R, S] deployments (-1 rows failed)."""
+    def _search(self, samples: np.ndarray, layers: np.ndarray, ranks: int,
+                slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """FlashTree over ``layers``: returns (int64 [U, R, S] deployments, -1 rows failed; int64 [U, E] replica
+        counts; float [U, E] mean load ``mu``)."""
         mu, var, cov = statistics(samples[:, layers])
         n_layers, num_experts = mu.shape
         risk = mu + self.z * np.sqrt(var)
@@ -186,12 +188,40 @@ class FlashLB(EplbPolicy):
         if deficit.any():
             every = np.ones_like(last)
             counts += min_max_history(risk / counts, every, int(deficit.max()), ranks)[local, deficit]
-        return lpt_deploy(mu, var, cov, local, counts, ranks, slots, self.z)
+        return lpt_deploy(mu, var, cov, local, counts, ranks, slots, self.z), counts, mu
 
     def _score(self, series: np.ndarray, placement: np.ndarray) -> np.ndarray:
         """Peak-to-average of each layer of ``placement`` [L', R, S] on ``series`` [T, L', E]."""
         counts = replica_counts(placement, series.shape[2])
         return peak_to_average(series, np.arange(placement.shape[0]), counts, placement)
+
+    def _candidates(self, samples: np.ndarray, current: np.ndarray, todo: np.ndarray, ranks: int,
+                    slots: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per layer of ``todo``: the full re-plan relabelled onto the current ranks and the incremental plan, each
+        with a bool [U] validity mask."""
+        best, counts, mu = self._search(samples, todo, ranks, slots)
+        full_ok = ~(best < 0).any(axis=(1, 2))
+        full = np.where(full_ok[:, None, None], match_ranks(current, np.maximum(best, 0)), current)
+        incr, incr_ok = incremental_plan(current, counts, mu)
+        return [(full, full_ok), (np.where(incr_ok[:, None, None], incr, current), incr_ok)]
+
+    def _choose(self, series: np.ndarray, samples: np.ndarray, current: np.ndarray, current_score: np.ndarray,
+                todo: np.ndarray, plans: list[tuple[np.ndarray, np.ndarray]]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per layer: among the plans whose average-to-peak on the raw series improves, the one minimising the
+        sample score + ``move_cost`` x moved slots. ``current_score``: the current layers' sample score. Returns
+        (plan [U, R, S], delta [U] (0 = keep current), sample score [U] of the plan)."""
+        same = samples.shape[0] == series.shape[0]  # one step per sample: the samples are the series
+        base = 1.0 / (current_score if same else self._score(series[:, todo], current))
+        best, best_score = current.copy(), current_score.copy()
+        best_cost, best_delta = np.full(todo.size, np.inf), np.zeros(todo.size)
+        for plan, ok in plans:
+            score = self._score(samples[:, todo], plan)
+            delta = 1.0 / (score if same else self._score(series[:, todo], plan)) - base
+            cost = score + self.move_cost * slot_moves(current, plan)
+            win = ok & (delta > 1e-12) & (cost < best_cost)
+            best[win], best_cost[win], best_delta[win], best_score[win] = plan[win], cost[win], delta[win], score[win]
+        return best, best_delta, best_score
 
     def _rebalance(self, placement: np.ndarray, load: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
         layers, ranks, slots = placement.shape
@@ -201,22 +231,18 @@ class FlashLB(EplbPolicy):
         todo = self._need_update(layers, 1.0 / current, ranks)
         if todo.size == 0:
             return np.zeros(0, dtype=np.int64), placement.copy()
-        best = self._search(samples, todo, ranks, slots)
+        plans = self._candidates(samples, placement[todo], todo, ranks, slots)
+        chosen, delta_todo, score_todo = self._choose(series, samples, placement[todo], current[todo], todo, plans)
+        delta, score = np.zeros(layers), current.copy()
+        delta[todo], score[todo] = delta_todo, score_todo
         new = placement.copy()
-        ok = ~(best < 0).any(axis=(1, 2))
-        for i, layer in enumerate(todo):
-            if ok[i]:
-                new[layer] = minimize_redeploy(placement[layer], best[i])
-        delta = 1.0 / self._score(series, new) - 1.0 / self._score(series, placement)
+        new[todo] = chosen
         order = np.flatnonzero(delta > 1e-12)
         order = order[np.argsort(-delta[order], kind="stable")]
         if self.layers_upper_bound > 0:
             order = order[:self.layers_upper_bound]
         out = placement.copy()
         out[order] = new[order]
-        if order.size == 0:
-            return order.astype(np.int64), out
-        new_score = self._score(samples[:, order], out[order])
-        for i, layer in enumerate(order):
-            self.last_ratio[int(layer)] = 1.0 / float(new_score[i])
+        for layer in order:
+            self.last_ratio[int(layer)] = 1.0 / float(score[layer])
         return order.astype(np.int64), out

@@ -107,12 +107,13 @@ def test_rank_loads_imbalance_and_hotness() -> None:
 def test_metrics_accumulate_and_log_line() -> None:
     metrics = EplbMetrics()
     metrics.observe_load(torch.tensor([[8.0, 2.0, 2.0, 0.0]]), torch.tensor([[[0, 1], [2, 3]]]))
+    assert metrics.imbalance == pytest.approx([10 / 6])
     stats = RebalanceStats(step=5, changed_layers=1, moves=2, p2p_transfers=1, bytes_moved=64, stall_s=0.002,
                            imbalance_before=[1.667], imbalance_after=[1.0], hotness=[2.667], hottest=[[0]])
     metrics.add(stats)
     metrics.add(stats)
     d = metrics.as_dict()
     assert (d["rebalances"], d["moves_total"], d["bytes_total"]) == (2, 4, 128)
-    assert d["last"]["step"] == 5 and d["imbalance"] == pytest.approx([10 / 6])
+    assert d["last"]["step"] == 5 and d["imbalance"] == [1.0]  # the current placement after the rebalance
     line = stats.log_line()
     assert "step 5" in line and "64 B" in line and "1.667] -> [1.000]" in line
