@@ -54,8 +54,12 @@ class SpeculativeConfig:
     """Speculative decoding settings; names and defaults follow vLLM's ``SpeculativeConfig``.
 
     Extensions beyond vLLM's keys: ``suffix_decoding_max_spec_offset`` (Arctic's ``suffix_max_spec_offset``),
-    ``dynamic`` + ``dynamic_params`` (the DynamicSpecScheduler of ``spec_decode.dynamic``) and ``draft_window_size``
-    (vLLM Ascend's ``additional_config.draft_window_size``, see ``spec_decode.sliding_window``).
+    ``dynamic`` + ``dynamic_params`` (the DynamicSpecScheduler of ``spec_decode.dynamic``), ``draft_window_size``
+    (vLLM Ascend's ``additional_config.draft_window_size``, see ``spec_decode.sliding_window``) and
+    ``draft_num_layers`` (``draft_model`` without a ``model``: the target truncated to its first N layers, sharing its
+    weights, see ``spec_decode.draft_model``).
+    ``draft_model_config`` is vLLM's key; only ``{"hf_config": {...}}`` overrides are read (e.g.
+    ``eagle_aux_hidden_state_layer_ids`` for ``eagle3`` / ``extract_hidden_states``).
     """
 
     method: str
@@ -82,6 +86,8 @@ class SpeculativeConfig:
     dynamic: bool = False
     dynamic_params: dict[str, Any] = field(default_factory=dict)
     draft_window_size: int | None = None
+    draft_num_layers: int | None = None
+    draft_model_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.method == "[ngram]":
@@ -98,12 +104,41 @@ class SpeculativeConfig:
         _check_int("draft_tensor_parallel_size", self.draft_tensor_parallel_size, 1, optional=True)
         _check_int("max_model_len", self.max_model_len, 1, optional=True)
         _check_int("draft_window_size", self.draft_window_size, 1, optional=True)
+        _check_int("draft_num_layers", self.draft_num_layers, 1, optional=True)
+        self._check_model_methods()
         for name in ("disable_padded_drafter_batch", "parallel_drafting", "dynamic"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "must be a boolean")
-        if self.method in DRAFT_MODEL_REQUIRED and self.model is None:
-            _fail("model", self.model, f"method {self.method!r} needs a draft model path")
         self._check_dynamic()
+
+    def _check_model_methods(self) -> None:
+        if self.draft_num_layers is not None and self.method != "draft_model":
+            _fail("draft_num_layers", self.draft_num_layers, "only applies to method 'draft_model'")
+        truncated = self.method == "draft_model" and self.draft_num_layers is not None
+        if self.method in DRAFT_MODEL_REQUIRED and self.model is None and not truncated:
+            _fail("model", self.model, f"method {self.method!r} needs a draft model path")
+        if self.draft_model_config is not None:
+            hf = self.draft_model_config.get("hf_config", {}) if isinstance(self.draft_model_config, dict) else None
+            if not isinstance(hf, dict) or set(self.draft_model_config) - {"hf_config"}:
+                _fail("draft_model_config", self.draft_model_config, 'must be {"hf_config": {...}}')
+        if self.method == "extract_hidden_states":
+            if self.num_speculative_tokens != 1:
+                _fail("num_speculative_tokens", self.num_speculative_tokens,
+                      "must be 1 for method 'extract_hidden_states' (as in vLLM)")
+            if not self.aux_hidden_state_layer_ids():
+                _fail("draft_model_config", self.draft_model_config, "method 'extract_hidden_states' needs "
+                      '{"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}')
+
+    def aux_hidden_state_layer_ids(self) -> list[int] | None:
+        """``draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids`` (None when not given)."""
+        hf = (self.draft_model_config or {}).get("hf_config", {})
+        ids = hf.get("eagle_aux_hidden_state_layer_ids")
+        if ids is None:
+            return None
+        if not isinstance(ids, (list, tuple)) or not ids or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            _fail("eagle_aux_hidden_state_layer_ids", ids, "must be a non-empty list of layer indices >= 0")
+        return list(ids)
 
     def _resolve_prompt_lookup(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

@@ -4,11 +4,17 @@ Per step, for a request with ``k`` scheduled drafts the scheduler scheduled ``nu
 the drafts are written into the persistent token buffer right after the committed tokens (not committed), the model
 scores all positions, and the ``k + 1`` last positions' logits go to the rejection sampler, which returns the accepted
 drafts plus one recovered/bonus token. Those are committed; the scheduler rolls ``num_computed_tokens`` back by the
-rejected count (the rejected drafts' KV slots are simply overwritten later). After sampling, the proposer drafts the
-next ``k`` tokens from every request's committed tokens.
+rejected count (the rejected drafts' KV slots are simply overwritten later). After sampling, model-based proposers
+receive the step's valid target hidden states (:class:`TargetStep`), then the proposer drafts the next ``k`` tokens
+from every request's committed tokens.
+
+With ``dynamic: true`` a :class:`DynamicSpecScheduler` picks each request's draft length in ``[min_verify_tokens,
+k]`` from per-request, per-position acceptance statistics of earlier verifications (:class:`AcceptanceStats`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -16,8 +22,14 @@ import torch
 from ascent.sample.metadata import SamplingMetadata
 from ascent.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from ascent.spec_decode.base import Proposer, SpeculativeConfig
+from ascent.spec_decode.draft_runner import DraftEnv
+from ascent.spec_decode.dynamic import AcceptanceStats, DynamicSpecParams, DynamicSpecScheduler
+from ascent.spec_decode.model_proposer import ModelProposer, TargetStep
 from ascent.spec_decode.registry import get_proposer_cls
 from ascent.worker.input_batch import InputBatch
+
+if TYPE_CHECKING:
+    from ascent.config import EngineConfig
 
 
 class SpecDecodeRunner:
@@ -30,9 +42,30 @@ class SpecDecodeRunner:
         self.rejection_sampler = RejectionSampler(method=config.rejection_sample_method, rng_placement=rng_placement,
                                                   generator=generator)
         self._known: set[str] = set()
+        self.dynamic: DynamicSpecScheduler | None = None
+        self.acceptance: AcceptanceStats | None = None
+        if config.dynamic:
+            self.dynamic = DynamicSpecScheduler(self.k, DynamicSpecParams.from_dict(config.dynamic_params))
+            self.acceptance = AcceptanceStats(self.k)
+        self.last_draft_lengths: dict[str, int] = {}  # per request, the draft budget of the latest proposal
 
-    def load_model(self, target_model: torch.nn.Module) -> None:
+    def load_model(self, target_model: torch.nn.Module, engine_config: EngineConfig | None = None) -> None:
+        if isinstance(self.proposer, ModelProposer):
+            if engine_config is None:
+                raise ValueError(f"speculative method {self.config.method!r} needs the engine config to load")
+            self.proposer.bind(_draft_env(engine_config))
         self.proposer.load_model(target_model)
+        if isinstance(self.proposer, ModelProposer) and self.proposer.capture_layers:
+            target_model.model.capture_layers = tuple(self.proposer.capture_layers)
+
+    # ------------------------------------------------------------------------------------------------ KV cache
+    def kv_cache_bytes_per_block(self) -> int:
+        """The drafter's KV bytes per block (0 for drafters without their own attention layers)."""
+        return self.proposer.kv_cache_bytes_per_block() if isinstance(self.proposer, ModelProposer) else 0
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if isinstance(self.proposer, ModelProposer):
+            self.proposer.initialize_kv_cache(num_blocks)
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def add_request(self, req_id: str, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
@@ -47,25 +80,76 @@ class SpecDecodeRunner:
         if req_id in self._known:
             self._known.discard(req_id)
             self.proposer.remove_request(req_id)
+            self.last_draft_lengths.pop(req_id, None)
+            if self.acceptance is not None:
+                self.acceptance.remove(req_id)
 
     # ------------------------------------------------------------------------------------------------ drafts
     def verify(self, drafts: list[list[int]], target_logits: torch.Tensor, metadata: SamplingMetadata,
-               min_tokens: list[int]) -> list[list[int]]:
+               min_tokens: list[int], req_ids: list[str] | None = None) -> list[list[int]]:
         """``target_logits`` fp32 ``[sum(k_i + 1), V]`` -> accepted drafts + one recovered/bonus token per request.
-        ``min_tokens`` per request lets each draft position mask stop tokens exactly as plain sampling would."""
+        ``min_tokens`` per request lets each draft position mask stop tokens exactly as plain sampling would;
+        ``req_ids`` (batch order) lets a probabilistic drafter pass its draft distributions."""
         spec = SpecDecodeMetadata(draft_token_ids=drafts, min_tokens=min_tokens)
-        return self.rejection_sampler(spec, None, target_logits, metadata,
-                                      deterministic_proposer=self.proposer.deterministic)
+        draft_probs = self._draft_probs(drafts, req_ids, target_logits)
+        accepted = self.rejection_sampler(spec, draft_probs, target_logits, metadata,
+                                          deterministic_proposer=self.proposer.deterministic)
+        if self.acceptance is not None and req_ids is not None:
+            for req_id, d, a in zip(req_ids, drafts, accepted):
+                if d:
+                    self.acceptance.record(req_id, len(d), len(a) - 1)
+        return accepted
+
+    def _draft_probs(self, drafts: list[list[int]], req_ids: list[str] | None,
+                     target_logits: torch.Tensor) -> torch.Tensor | None:
+        if self.proposer.deterministic or not isinstance(self.proposer, ModelProposer):
+            return None
+        if req_ids is None:
+            raise ValueError("a probabilistic drafter needs req_ids at verification")
+        rows = []
+        for req_id, d in zip(req_ids, drafts):
+            if not d:
+                continue
+            probs = self.proposer.draft_probs(req_id, len(d))
+            if probs is None:
+                raise ValueError(f"no draft probabilities for the {len(d)} drafts of request {req_id!r}")
+            rows.append(probs)
+        vocab = target_logits.shape[1]
+        if not rows:
+            return target_logits.new_zeros((0, vocab), dtype=torch.float32)
+        return torch.cat(rows).to(target_logits.device, torch.float32)
+
+    def observe(self, batch: InputBatch, req_ids: list[str], rows: np.ndarray, query_start_loc: np.ndarray,
+                positions: np.ndarray, hidden: torch.Tensor, target_model: torch.nn.Module) -> None:
+        """Hand the proposer this step's valid target rows (see :class:`TargetStep`); call after sampling."""
+        if not (isinstance(self.proposer, ModelProposer) and self.proposer.needs_hidden_states):
+            return
+        first = positions[query_start_loc[:-1]].astype(np.int64)
+        num_sched = np.diff(query_start_loc).astype(np.int64)
+        num_valid = np.clip(batch.num_tokens[rows].astype(np.int64) - 1 - first, 0, num_sched)
+        index = np.concatenate([np.arange(s, s + n) for s, n in zip(query_start_loc[:-1], num_valid)])
+        index_t = torch.from_numpy(index.astype(np.int64)).to(hidden.device)
+        aux = getattr(getattr(target_model, "model", None), "aux_hidden_states", None)
+        step = TargetStep(req_ids=list(req_ids), first_positions=first, num_valid=num_valid,
+                          hidden_states=hidden.index_select(0, index_t),
+                          aux_hidden_states=[a.index_select(0, index_t) for a in aux] if aux else None)
+        self.proposer.observe(step)
 
     def propose(self, batch: InputBatch, req_ids: list[str], new_tokens: list[list[int]]) -> dict[str, list[int]]:
         """Teach the proposer the committed tokens, then draft up to ``k`` tokens per request (never past
-        ``max_model_len``)."""
+        ``max_model_len``; fewer under ``dynamic``)."""
         for req_id, toks in zip(req_ids, new_tokens):
             if toks:
                 self.proposer.update_request(req_id, toks)
         rows = [batch.req_id_to_index[r] for r in req_ids]
         token_ids = [batch.token_ids[row, : int(batch.num_tokens[row])] for row in rows]
         budget = [max(0, min(self.k, self.max_model_len - 1 - len(t))) for t in token_ids]
+        if self.dynamic is not None and self.acceptance is not None and req_ids:
+            keep = self.dynamic.update(self.acceptance.token_probs(req_ids))
+            budget = [min(b, int(n)) for b, n in zip(budget, keep)]
+        self.last_draft_lengths.update(zip(req_ids, budget))
+        if isinstance(self.proposer, ModelProposer):
+            self.proposer.set_sampling(*_sampling_of(batch, req_ids))
         proposals = self.proposer.propose(req_ids, token_ids, budget)
         out: dict[str, list[int]] = {}
         for i, req_id in enumerate(req_ids):
@@ -73,3 +157,17 @@ class SpecDecodeRunner:
             if drafts:
                 out[req_id] = drafts
         return out
+
+
+def _sampling_of(batch: InputBatch, req_ids: list[str]) -> tuple[dict[str, float], dict[str, Any]]:
+    states = [batch.states[r] for r in req_ids]
+    temps = {r: float(s.sampling_params.temperature) for r, s in zip(req_ids, states)}
+    gens = {r: s.generator for r, s in zip(req_ids, states) if s.generator is not None}
+    return temps, gens
+
+
+def _draft_env(config: EngineConfig) -> DraftEnv:
+    return DraftEnv(device=config.device_config.device, dtype=config.model_config.torch_dtype,
+                    block_size=config.cache_config.block_size, max_num_seqs=config.scheduler_config.max_num_seqs,
+                    max_model_len=config.model_config.max_model_len, load_format=config.load_config.load_format,
+                    target_model_path=config.model_config.model)
