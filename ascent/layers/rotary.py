@@ -8,6 +8,8 @@ the RoPE, NTK, YaRN and Llama-3.1 papers; ``tests/unit/test_rotary.py`` checks t
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -138,6 +140,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         cache = self._build_cache(inv_freq, self.attention_factor, self.max_position)
         self.register_buffer("cos_sin_cache", cache.to(dtype or torch.get_default_dtype()), persistent=False)
+        self._step: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def _build_cache(self, inv_freq: torch.Tensor, attention_factor: float, cache_len: int) -> torch.Tensor:
         freqs = torch.outer(torch.arange(cache_len, dtype=torch.float32), inv_freq)
@@ -155,7 +158,7 @@ class RotaryEmbedding(nn.Module):
         pairs = x.unflatten(-1, (-1, 2))
         return torch.stack([pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         x = x.view(num_tokens, -1, self.head_size)
         if self.rotary_dim == self.head_size:
@@ -164,13 +167,49 @@ class RotaryEmbedding(nn.Module):
         rotated = rot * cos + self._pair_swap(rot) * sin
         return torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1).view(num_tokens, -1)
 
+    def _gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos_sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1)
+        cos, sin = cos_sin.split(self.rotary_dim, dim=-1)
+        return cos, sin
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[T, 1, rotary_dim]``, for ``positions``; inside ``step_cache(positions)`` the
+        gather is done once and shared by every layer."""
+        cached = self._step
+        if cached is not None and cached[0] is positions:
+            return cached[1]
+        return self._gather(positions)
+
+    @contextmanager
+    def step_cache(self, positions: torch.Tensor) -> Iterator[None]:
+        """Within the block, cos/sin of ``positions`` (this tensor object, whose contents must not change) are
+        gathered once; a model forward wraps its layer loop in it. Nests (the outer cache is restored)."""
+        previous = self._step
+        self._step = (positions, self._gather(positions))
+        try:
+            yield
+        finally:
+            self._step = previous
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 ``[T]``; q ``[T, nh*head_size]``, k ``[T, nkv*head_size]`` -> rotated (new tensors)."""
-        cos_sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1)
-        cos, sin = cos_sin.split(self.rotary_dim, dim=-1)
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+        cos, sin = self.cos_sin(positions)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def rotate_(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, heads*head_size]`` in place (it may be a column slice of a wider row-major tensor, e.g.
+        the q and k columns of a fused QKV output, so q and k rotate in one pass); returns ``x``. Same values as
+        ``forward``."""
+        cos, sin = self.cos_sin(positions)
+        heads = x.view(x.shape[0], -1, self.head_size)
+        if self.rotary_dim < self.head_size:
+            heads = heads[..., : self.rotary_dim]
+        swapped = self._pair_swap(heads)
+        heads.mul_(cos)
+        heads.add_(swapped.mul_(sin))
+        return x
 
     def extra_repr(self) -> str:
         return f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}"

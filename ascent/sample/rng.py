@@ -97,12 +97,15 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     number of cumulative sums ``<= u * total`` (fp64), so zero-weight tokens are never chosen; an index past the end
     (``u * total`` rounding up to ``total``) is clamped to the last positive-weight token.
     """
-    weights = probs.to(torch.float64)
-    cdf = weights.cumsum(dim=-1)
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
     target = (u.to(device=cdf.device, dtype=torch.float64) * cdf[:, -1]).unsqueeze(1)
     idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    vocab_size = weights.shape[1]
-    last_positive = vocab_size - 1 - (weights > 0).flip(dims=[1]).to(torch.int8).argmax(dim=-1)
+    vocab_size = probs.shape[1]
+    # An index below the end lands where the cdf steps up, i.e. on a positive-weight token, so only rows past the end
+    # need the last positive token; on the CPU skip that [B, V] scan when no row is past the end.
+    if idx.device.type == "cpu" and not bool((idx >= vocab_size).any()):
+        return idx
+    last_positive = vocab_size - 1 - (probs > 0).flip(dims=[1]).to(torch.int8).argmax(dim=-1)
     return torch.minimum(idx, last_positive)
 
 

@@ -110,3 +110,30 @@ def test_layer_reads_context_and_validates() -> None:
     with pytest.raises(ValueError, match="num_kv_heads 3"):
         Attention(8, HEAD, 1.0, 3)
     assert SDPABackend.get_kv_cache_shape(7, 16, 2, 64) == (2, 7, 16, 2, 64)
+
+
+@pytest.mark.parametrize("single_gather_rows", [0, 1 << 20])
+def test_decode_paths_are_bitwise_equal(monkeypatch: pytest.MonkeyPatch, single_gather_rows: int) -> None:
+    """A decode-only step (direct return, fused K/V write from adjacent columns of one tensor, either gather
+    strategy) gives the same output and cache bitwise as the general path with separate k/v tensors."""
+    import ascent.attention.backends.sdpa as sdpa
+
+    monkeypatch.setattr(sdpa, "SINGLE_GATHER_MAX_ROWS", single_gather_rows)
+    rng = np.random.default_rng(3)
+    reqs = [(11, 1), (5, 1), (0, 1), (17, 1), (2, 1)]
+    gen = torch.Generator().manual_seed(3)
+    common, cache, q, k_new, v_new, full_k, full_v = make_paged_case(
+        reqs, torch.bfloat16, 0, rng, gen, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS,
+        num_heads=NUM_HEADS, head=HEAD, sentinel=SENTINEL)
+    impl = SDPABackend.get_impl_cls()(NUM_HEADS, HEAD, HEAD**-0.5, NUM_KV_HEADS)
+    metadata = SDPABackend.get_builder_cls()().build(common)
+    fused = torch.cat([q, k_new, v_new], dim=1)
+    qf, kf, vf = fused.split([q.shape[1], k_new.shape[1], v_new.shape[1]], dim=1)
+    assert sdpa._adjacent_pair(kf, vf) is not None and sdpa._adjacent_pair(k_new, v_new) is None
+    cache_fused = cache.clone()
+    out_fused = impl.forward(qf, kf, vf, cache_fused, metadata)
+    out = impl.forward(q, k_new.clone(), v_new.clone(), cache, metadata)
+    assert torch.equal(out_fused, out) and torch.equal(cache_fused, cache)
+    for i, (c, _) in enumerate(reqs):
+        expected = reference(q[i : i + 1], full_k[i], full_v[i], c, HEAD**-0.5, None)
+        assert (out[i : i + 1].double() - expected).abs().max() <= 3e-2 * max(1.0, expected.abs().max())

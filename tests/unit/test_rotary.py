@@ -112,3 +112,23 @@ def test_legacy_rope_fields_and_errors() -> None:
         get_rope(HEAD, HEAD, MAX_POS, dict(rope_type="longrope", short_factor=[1.0], long_factor=[1.0]))
     with pytest.raises(ValueError, match="rotary_dim 40"):
         get_rope(HEAD, 40, MAX_POS, None)
+
+
+@pytest.mark.parametrize("neox,rotary_dim,dtype", [(True, HEAD, torch.bfloat16), (False, HEAD, torch.float32),
+                                                   (True, HEAD // 2, torch.bfloat16)])
+def test_rotate_inplace_on_fused_qkv_equals_forward(neox: bool, rotary_dim: int, dtype: torch.dtype) -> None:
+    """``rotate_`` on the q+k columns of a fused QKV output gives forward's values bitwise and leaves v alone;
+    ``step_cache`` shares one cos/sin gather and restores the previous cache on exit."""
+    rope = get_rope(HEAD, rotary_dim, MAX_POS, {"rope_theta": 10000.0}, is_neox_style=neox, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    nq, nkv, tokens = 4, 2, 7
+    qkv = torch.randn(tokens, (nq + 2 * nkv) * HEAD, generator=gen).to(dtype)
+    positions = torch.randint(0, MAX_POS, (tokens,), generator=gen)
+    q, k, v = qkv.split([nq * HEAD, nkv * HEAD, nkv * HEAD], dim=-1)
+    want_q, want_k = rope(positions, q, k)
+    v_before = v.clone()
+    with rope.step_cache(positions):
+        assert rope.cos_sin(positions)[0] is rope.cos_sin(positions)[0]
+        rope.rotate_(positions, qkv[:, : (nq + nkv) * HEAD])
+    assert rope.cos_sin(positions)[0] is not rope.cos_sin(positions)[0]
+    assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(v, v_before)

@@ -28,6 +28,10 @@ from ascent.attention.backend import (
 )
 
 
+# Decode contexts up to this many cache rows (summed over the batch) are gathered with one index_select for K and V.
+SINGLE_GATHER_MAX_ROWS = 1024
+
+
 @dataclass
 class SDPAPrefill:
     """One multi-token request: token rows ``start:end`` at positions ``num_computed .. seq_len-1``.
@@ -167,6 +171,18 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
         return p
 
 
+def _adjacent_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """``[2, T, W]`` view of k and v when v's columns directly follow k's in one row-major tensor (k, v slices of
+    one fused projection output), else None."""
+    if k.dim() != 2 or k.shape != v.shape or k.stride() != v.stride() or k.stride(1) != 1 or k.dtype != v.dtype:
+        return None
+    if v.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+        return None
+    if v.storage_offset() - k.storage_offset() != k.shape[1]:
+        return None
+    return k.as_strided((2, k.shape[0], k.shape[1]), (k.shape[1], k.stride(0), 1), k.storage_offset())
+
+
 class SDPAImpl(AttentionImpl):
     """See the module docstring; optional ``sliding_window`` (keys with ``pos - key < window``) is honoured."""
 
@@ -187,15 +203,21 @@ class SDPAImpl(AttentionImpl):
             return self._attend_fresh(q, k, v, None)
         if kv_cache.numel() == 0:
             raise RuntimeError("attention layer has no KV cache allocated but attention metadata was given")
-        k_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
-        v_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
-        self._write(k, v, k_cache, v_cache, attn_metadata)
-        out = q.new_empty(num_tokens, self.num_heads * self.head_size)
+        self._write(k, v, kv_cache, attn_metadata)
         decode_mask, prefill_masks = attn_metadata.decode_mask, [p.mask for p in attn_metadata.prefills]
         if self.sliding_window is not None:
             decode_mask, prefill_masks = attn_metadata.window_masks(self.sliding_window)
+        if attn_metadata.num_decodes == num_tokens and attn_metadata.decode_rows is None:
+            return self._decode(q, kv_cache, attn_metadata, decode_mask)  # decode-only step: no output scatter
+        k_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)
+        v_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
+        out = q.new_empty(num_tokens, self.num_heads * self.head_size)
         if attn_metadata.num_decodes:
-            self._decode(q, k_cache, v_cache, attn_metadata, decode_mask, out)
+            o = self._decode(q, kv_cache, attn_metadata, decode_mask)
+            if attn_metadata.decode_rows is not None:
+                out.index_copy_(0, attn_metadata.decode_rows, o)
+            else:
+                out[attn_metadata.decode_start : attn_metadata.decode_start + attn_metadata.num_decodes] = o
         for p, mask in zip(attn_metadata.prefills, prefill_masks):
             rows = slice(p.start, p.end)
             if p.context_slots is None:
@@ -206,19 +228,26 @@ class SDPAImpl(AttentionImpl):
             out[attn_metadata.num_actual_tokens :].zero_()
         return out
 
-    def _write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               md: SDPAMetadata) -> None:
-        k = k.reshape(-1, self.num_kv_heads, self.head_size)
-        v = v.reshape(-1, self.num_kv_heads, self.head_size)
+    def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: SDPAMetadata) -> None:
+        """Scatter this step's K/V rows into their slots: one ``index_copy_`` when k and v are adjacent column
+        blocks of one tensor (the fused QKV output), else one per cache plane."""
+        width = self.num_kv_heads * self.head_size
+        k, v = k.reshape(k.shape[0], width), v.reshape(v.shape[0], width)
         if md.write_rows is not None:
             k, v = k.index_select(0, md.write_rows), v.index_select(0, md.write_rows)
         elif k.shape[0] != md.write_slots.shape[0]:
             k, v = k[: md.write_slots.shape[0]], v[: md.write_slots.shape[0]]
-        k_cache.index_copy_(0, md.write_slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, md.write_slots, v.to(v_cache.dtype))
+        planes = kv_cache.view(2, -1, width)
+        pair = _adjacent_pair(k, v)
+        if pair is not None and pair.dtype == kv_cache.dtype:
+            planes.index_copy_(1, md.write_slots, pair)
+            return
+        planes[0].index_copy_(0, md.write_slots, k.to(kv_cache.dtype))
+        planes[1].index_copy_(0, md.write_slots, v.to(kv_cache.dtype))
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: SDPAMetadata,
-                mask: torch.Tensor | None, out: torch.Tensor) -> None:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: SDPAMetadata,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of the decode rows over their gathered contexts: ``[n, nh*d]``."""
         n, group = md.num_decodes, self.num_heads // self.num_kv_heads
         assert md.decode_slots is not None
         if md.decode_rows is not None:
@@ -226,16 +255,23 @@ class SDPAImpl(AttentionImpl):
         else:
             qd = q[md.decode_start : md.decode_start + n]
         qd = qd.reshape(n, self.num_kv_heads, group, self.head_size)
-        flat = md.decode_slots.view(-1)
-        shape = (n, md.decode_slots.shape[1], self.num_kv_heads, self.head_size)
-        kd = k_cache.index_select(0, flat).view(shape).transpose(1, 2).to(q.dtype)
-        vd = v_cache.index_select(0, flat).view(shape).transpose(1, 2).to(q.dtype)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale)
-        o = o.reshape(n, self.num_heads * self.head_size)
-        if md.decode_rows is not None:
-            out.index_copy_(0, md.decode_rows, o)
+        k, v = self._gather_context(kv_cache, md.decode_slots)
+        o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale)
+        return o.reshape(n, self.num_heads * self.head_size)
+
+    def _gather_context(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the cache slots ``[n, L]`` as ``[n, num_kv_heads, L, head_size]`` views. Small contexts
+        gather K and V in one call (fewer dispatches); large ones per plane (the row-gather fast path, ~2x faster
+        per byte than gathering along the second dim)."""
+        flat = slots.view(-1)
+        shape = (slots.shape[0], slots.shape[1], self.num_kv_heads, self.head_size)
+        if flat.shape[0] <= SINGLE_GATHER_MAX_ROWS:
+            kv = kv_cache.view(2, -1, self.num_kv_heads, self.head_size).index_select(1, flat)
+            k, v = kv[0], kv[1]
         else:
-            out[md.decode_start : md.decode_start + n] = o
+            k = kv_cache[0].view(-1, self.num_kv_heads, self.head_size).index_select(0, flat)
+            v = kv_cache[1].view(-1, self.num_kv_heads, self.head_size).index_select(0, flat)
+        return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
 
     def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
         """``[L, num_heads*d]`` -> ``[1, num_heads, L, d]`` (4-D: the CPU kernels are faster than for 3-D)."""
