@@ -13,6 +13,7 @@ from typing import Any
 from ascent.config import (
     HARDWARE_PROFILES,
     LOAD_FORMATS,
+    QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
     CacheConfig,
     DeviceConfig,
@@ -68,6 +69,9 @@ class EngineArgs:
     eplb_config: str | dict | None = field(default=None, metadata=_opt(
         "expert-parallel load balancing JSON, e.g. '{\"policy\": \"swift\", \"num_redundant_experts\": 2}'"))
     load_format: str = field(default="auto", metadata=_opt("weight loader", LOAD_FORMATS))
+    quantization: str | None = field(default=None, metadata=_opt(
+        "quantization method of the checkpoint (default: detect it; 'none' loads as float)", QUANTIZATION_METHODS,
+        short="-q"))
     speculative_config: str | dict | None = field(default=None, metadata=_opt(
         "speculative decoding JSON with vLLM's keys, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'"))
     hardware_profile: str = field(default="auto", metadata=_opt("hardware family profile", HARDWARE_PROFILES))
@@ -119,6 +123,7 @@ class EngineArgs:
             dtype=self.dtype,
             max_model_len=derive_max_model_len(hf_config, self.max_model_len),
             seed=self.seed,
+            quantization=self.quantization,
             hf_config=hf_config,
             torch_dtype=_resolve_dtype(device_config, hf_config, self.dtype),
         )

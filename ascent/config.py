@@ -11,6 +11,7 @@ import torch
 HARDWARE_PROFILES = ("auto", "cpu", "cuda", "a2", "a3", "310p", "a5")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+QUANTIZATION_METHODS = ("auto", "ascend", "modelslim", "compressed-tensors", "fp8", "modelopt", "mxfp8", "none")
 DEFAULT_KV_CACHE_FRACTION = 0.25  # of available RAM/VRAM when --kv-cache-memory-bytes is not given
 
 
@@ -30,9 +31,15 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     chat_template: str | None = None
+    quantization: str | None = None  # None / "auto" = detect from the checkpoint (vLLM semantics); "none" = float
     hf_config: Any = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
     eos_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None:
+            _require(self.quantization in QUANTIZATION_METHODS, "quantization", self.quantization,
+                     f"must be one of {QUANTIZATION_METHODS}")
 
     @property
     def vocab_size(self) -> int:

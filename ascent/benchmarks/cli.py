@@ -98,7 +98,7 @@ def register_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` with the ``throughput``, ``latency``, ``serve``, ``startup`` and ``spec`` sub-commands (each sets
     ``func``)."""
     bench = subparsers.add_parser("bench", help="benchmarks (JSON with vLLM's key names)")
-    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput,latency,serve,startup,spec,eplb}",
+    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput,latency,serve,startup,spec,eplb,quant}",
                                     required=True)
     throughput = commands.add_parser("throughput", help="B1 offline throughput vs the HF peer",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -117,4 +117,7 @@ def register_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     from ascent.benchmarks.eplb import register_eplb_bench_parser
 
     register_eplb_bench_parser(commands)
+    from ascent.benchmarks.quant import register_quant_bench_parser
+
+    register_quant_bench_parser(commands)
     return bench

@@ -38,6 +38,7 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0  # since the previous stats call
     spec_decoding: "SpecDecodingStats | None" = None  # since the previous stats call (None without speculation)
+    eplb: "dict | None" = None  # new EPLB summary since the previous stats call (ascent.eplb.engine_stats)
 
 
 @dataclass

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ascent.benchmarks.cli import register_bench_parser
 
     register_bench_parser(sub)
+    from ascent.quantization.export.cli import register_quantize_parser
+
+    register_quantize_parser(sub)
     return parser
 
 

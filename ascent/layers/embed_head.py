@@ -7,6 +7,8 @@ padded.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +36,7 @@ class VocabParallelEmbedding(nn.Module):
         params_dtype: torch.dtype | None = None,
         padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
         prefix: str = "",
+        quant_config: Any | None = None,
     ) -> None:
         super().__init__()
         self.org_vocab_size = num_embeddings
@@ -50,6 +53,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype),
                                    requires_grad=False)
         set_weight_attrs(self.weight, {"weight_loader": self.weight_loader, "output_dim": 0})
+        if quant_config is not None and quant_config.get_quant_method(self, prefix) is not None:
+            raise NotImplementedError(f"{prefix}: quantized embeddings / lm_head are not supported")
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's vocab rows of the full ``[vocab, dim]`` checkpoint tensor; zero the padding rows."""
@@ -88,8 +93,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         params_dtype: torch.dtype | None = None,
         padding_size: int = DEFAULT_VOCAB_PADDING_SIZE,
         prefix: str = "",
+        quant_config: Any | None = None,
     ) -> None:
-        super().__init__(num_embeddings, embedding_dim, params_dtype, padding_size, prefix)
+        super().__init__(num_embeddings, embedding_dim, params_dtype, padding_size, prefix, quant_config)
         if bias:
             self.bias = nn.Parameter(torch.empty(self.num_embeddings_per_partition, dtype=self.weight.dtype),
                                      requires_grad=False)

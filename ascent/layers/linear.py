@@ -5,7 +5,18 @@ checkpoint tensor to this rank's shard and, for packed layers, places it at the 
 ``QKVParallelLinear`` takes shard ids ``"q" | "k" | "v"``, ``MergedColumnParallelLinear`` takes integer ids
 (0 = gate, 1 = up); ``shard_id=None`` on a packed layer means the checkpoint already holds the fused tensor.
 Parameters mark their sharded dimensions with ``output_dim`` / ``input_dim`` attributes; parameters without them
-(e.g. per-tensor scales of quantization schemes) are copied whole.
+(e.g. per-tensor scales of quantization schemes) are copied whole. Attributes quantization schemes use:
+
+* ``per_shard_scalar=True``: shape ``[num_shards, *elem]`` (num_shards = number of packed sub-outputs, 1 for unfused
+  layers); a shard's tensor (elem-shaped, or anything with ``elem`` elements, e.g. a 0-d tensor or ``[1]``) lands in
+  row ``shard_index`` (q/k/v -> 0/1/2, integer ids as is); ``shard_id=None`` copies a full ``[num_shards, *elem]``
+  tensor (any shape with that many elements). Never sharded by TP.
+* ``packed_dim`` / ``packed_factor``: ``packed_factor`` logical values share one stored element along ``packed_dim``
+  (e.g. ModelSlim W4A8: two int4 per int8 along N -> ``[N/2, K]``). When ``packed_dim == output_dim`` the
+  column-parallel offsets and sizes are divided by ``packed_factor``; along ``input_dim`` the row-parallel narrow
+  uses the parameter's local (packed) size already.
+* ``row_parallel_rank0_only=True`` (row-parallel per-output vectors such as W8A8's ``quant_bias``): rank 0 loads the
+  full tensor, ranks != 0 hold zeros (the partial outputs are summed over TP).
 
 Weight creation and the matmul go through ``layer.quant_method`` (``UnquantizedLinearMethod`` unless a quantization
 config provides another), so quantization schemes plug in without touching the layers or the models.
@@ -108,6 +119,27 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, where: str) -> None:
     dst.copy_(src)
 
 
+def _load_per_shard_scalar(param: torch.Tensor, loaded: torch.Tensor, index: int | None, where: str) -> None:
+    """``per_shard_scalar`` parameters ``[num_shards, *elem]``: row ``index`` from an elem-sized tensor, or all rows
+    (``index=None``) from a tensor with ``param.numel()`` elements."""
+    dst = param.data if index is None else param.data[index]
+    if loaded.numel() != dst.numel():
+        raise ValueError(f"{where}: per-shard value of shape {tuple(loaded.shape)} does not fit "
+                         f"{'all shards' if index is None else f'shard {index}'} {tuple(dst.shape)}")
+    dst.copy_(loaded.reshape(dst.shape))
+
+
+def _packed_factor(param: torch.Tensor, dim: int) -> int:
+    """``packed_factor`` when ``param`` is packed along ``dim``, else 1."""
+    return int(getattr(param, "packed_factor", 1)) if getattr(param, "packed_dim", None) == dim else 1
+
+
+def _unpacked(value: int, factor: int, where: str) -> int:
+    if value % factor:
+        raise ValueError(f"{where}: size/offset {value} is not divisible by packed_factor {factor}")
+    return value // factor
+
+
 class LinearBase(nn.Module):
     """Common state: sizes, TP rank/size, params dtype and the quant method chosen for ``prefix``."""
 
@@ -167,6 +199,9 @@ class ReplicatedLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         self._reject_shard_id(shard_id)
+        if getattr(param, "per_shard_scalar", False):
+            _load_per_shard_scalar(param, loaded_weight, None, self.prefix)
+            return
         _copy_checked(param.data, loaded_weight, self.prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,6 +244,9 @@ class ColumnParallelLinear(LinearBase):
         if dim is None:
             _copy_checked(param.data, loaded, self.prefix)
             return
+        factor = _packed_factor(param, dim)
+        if factor != 1:
+            offset, size, start = (_unpacked(v, factor, self.prefix) for v in (offset, size, start))
         if start + size > loaded.shape[dim]:
             raise ValueError(
                 f"{self.prefix}: checkpoint dim {dim} has {loaded.shape[dim]} rows; "
@@ -218,8 +256,16 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         self._reject_shard_id(shard_id)
+        if getattr(param, "per_shard_scalar", False):
+            _load_per_shard_scalar(param, loaded_weight, None, self.prefix)
+            return
         size = self.output_size_per_partition
         self._load_narrow(param, loaded_weight, 0, size, self.tp_rank * size)
+
+    def _split_full(self, param: nn.Parameter, loaded_weight: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
+        """Split an already-fused checkpoint tensor into its sub-outputs (packed sizes when packed along dim)."""
+        factor = _packed_factor(param, dim)
+        return loaded_weight.split([_unpacked(s, factor, self.prefix) for s in self.output_sizes], dim=dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x, self.bias)
@@ -244,16 +290,23 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         )
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        scalar = getattr(param, "per_shard_scalar", False)
         if shard_id is None:
             dim = getattr(param, "output_dim", None)
+            if scalar:
+                _load_per_shard_scalar(param, loaded_weight, None, self.prefix)
+                return
             if dim is None:
                 _copy_checked(param.data, loaded_weight, self.prefix)
                 return
-            for idx, part in enumerate(loaded_weight.split(self.output_sizes, dim=dim)):
+            for idx, part in enumerate(self._split_full(param, loaded_weight, dim)):
                 self.weight_loader(param, part, idx)
             return
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"{self.prefix}: shard id {shard_id!r} not in 0..{len(self.output_sizes) - 1}")
+        if scalar:
+            _load_per_shard_scalar(param, loaded_weight, shard_id, self.prefix)
+            return
         size = self.output_partition_sizes[shard_id]
         offset = sum(self.output_partition_sizes[:shard_id])
         self._load_narrow(param, loaded_weight, offset, size, self.tp_rank * size)
@@ -297,16 +350,23 @@ class QKVParallelLinear(ColumnParallelLinear):
         return [self.num_heads * head_size, self.num_kv_heads * head_size, self.num_kv_heads * head_size]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        scalar = getattr(param, "per_shard_scalar", False)
         if shard_id is None:
             dim = getattr(param, "output_dim", None)
+            if scalar:
+                _load_per_shard_scalar(param, loaded_weight, None, self.prefix)
+                return
             if dim is None:
                 _copy_checked(param.data, loaded_weight, self.prefix)
                 return
-            for sid, part in zip("qkv", loaded_weight.split(self.output_sizes, dim=dim)):
+            for sid, part in zip("qkv", self._split_full(param, loaded_weight, dim)):
                 self.weight_loader(param, part, sid)
             return
         if shard_id not in self._shard_local:
             raise ValueError(f"{self.prefix}: shard id {shard_id!r} not in ('q', 'k', 'v')")
+        if scalar:
+            _load_per_shard_scalar(param, loaded_weight, "qkv".index(shard_id), self.prefix)
+            return
         offset, size = self._shard_local[shard_id]
         head_rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.num_kv_head_replicas
         self._load_narrow(param, loaded_weight, offset, size, head_rank * size)
@@ -337,8 +397,17 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         self._reject_shard_id(shard_id)
+        if getattr(param, "per_shard_scalar", False):
+            _load_per_shard_scalar(param, loaded_weight, None, self.prefix)
+            return
         dim = getattr(param, "input_dim", None)
         if dim is None:
+            if getattr(param, "row_parallel_rank0_only", False) and self.tp_rank != 0:
+                if tuple(param.shape) != tuple(loaded_weight.shape):
+                    raise ValueError(f"{self.prefix}: checkpoint shape {tuple(loaded_weight.shape)} != parameter "
+                                     f"shape {tuple(param.shape)}")
+                param.data.zero_()
+                return
             _copy_checked(param.data, loaded_weight, self.prefix)
             return
         size = param.shape[dim]

@@ -1,4 +1,9 @@
-"""RMSNorm with an optional fused residual add."""
+"""RMSNorm with an optional fused residual add and an optional additive bias.
+
+The bias exists only when a quantization config asks for it (``enable_bias``): ModelSlim anti-outlier recipes
+(SmoothQuant-style ``anti_method``) fold the smoothing into the norm and store ``<norm>.bias``; it is zero-initialised
+and optional (checkpoints without it keep zeros) and is added after normalisation, also in the fused add+norm path.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from ascent.layers.linear import default_weight_loader, set_weight_attrs
 
 
 class RMSNorm(nn.Module):
-    """``y = x / sqrt(mean(x^2) + eps) * weight`` over the last dim (statistics in fp32, output in x's dtype).
+    """``y = x / sqrt(mean(x^2) + eps) * weight (+ bias)`` over the last dim (statistics in fp32, output in x's dtype).
 
     ``forward(x)`` returns ``y``; ``forward(x, residual)`` computes ``s = x + residual`` and returns ``(norm(s), s)``
     so decoder layers carry the residual stream without extra ops.
@@ -22,14 +27,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+        self.register_parameter("bias", None)
+
+    def enable_bias(self) -> None:
+        """Add a zero ``bias [hidden_size]`` (weight dtype/device) that checkpoints may provide (``quant_optional``)."""
+        if self.bias is not None:
+            return
+        bias = nn.Parameter(torch.zeros(self.hidden_size, dtype=self.weight.dtype, device=self.weight.device),
+                            requires_grad=False)
+        set_weight_attrs(bias, {"weight_loader": default_weight_loader, "quant_optional": True})
+        self.bias = bias
+
+    def _norm_bias(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+        return y if self.bias is None else y + self.bias
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+            return self._norm_bias(x)
         s = x + residual
-        return F.rms_norm(s, (self.hidden_size,), self.weight, self.eps), s
+        return self._norm_bias(s), s
 
     def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
+        return f"{self.hidden_size}, eps={self.eps}, bias={self.bias is not None}"

@@ -2,7 +2,9 @@
 
 ``get_model(model_path, hf_config, dtype, device, load_format)`` builds the model class named by
 ``hf_config.architectures`` on ``device``, fills its weights with the chosen loader, checks that every parameter was
-loaded, runs the quantization methods' post-load hooks and returns the model in eval mode.
+loaded, runs the quantization methods' post-load hooks and returns the model in eval mode. Loaders that read
+checkpoint files also get the checkpoint's quantization config (``quantization`` argument, auto-detected by default;
+``ascent.quantization.detect``); parameters tagged ``quant_optional`` may be absent from the checkpoint.
 Built-in formats: ``auto`` (``.gguf`` file -> GGUF, directory -> safetensors), ``safetensors``, ``gguf``, ``dummy``.
 """
 
@@ -37,8 +39,9 @@ class WeightsIteratorLoader(ModelLoader):
     def iterate_weights(self, model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield every checkpoint tensor (lazily)."""
 
-    def load_model(self, model_path: str, hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
-        model = build_model(hf_config, dtype, device)
+    def load_model(self, model_path: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
+                   quant_config: Any | None = None) -> nn.Module:
+        model = build_model(hf_config, dtype, device, quant_config)
         loaded = model.load_weights(self.iterate_weights(model_path))
         check_all_loaded(model, loaded, model_path)
         return finalize_model(model)
@@ -81,12 +84,18 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str,
     cls = get_model_class(list(getattr(hf_config, "architectures", None) or []))
     kwargs = {"quant_config": quant_config} if quant_config is not None else {}
     with torch.device(device):
-        return cls(hf_config, dtype=dtype, **kwargs)
+        model = cls(hf_config, dtype=dtype, **kwargs)
+    prepare = getattr(quant_config, "prepare_model", None)
+    if prepare is not None:
+        with torch.device(device):
+            prepare(model)  # e.g. ModelSlim anti-outlier norm biases
+    return model
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
-    """ValueError listing the parameters the checkpoint did not provide."""
-    missing = sorted(set(dict(model.named_parameters())) - set(loaded))
+    """ValueError listing the parameters the checkpoint did not provide (``quant_optional`` ones may be absent)."""
+    required = {n for n, p in model.named_parameters() if not getattr(p, "quant_optional", False)}
+    missing = sorted(required - set(loaded))
     if missing:
         shown = ", ".join(missing[:10]) + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")
         raise ValueError(f"checkpoint {source!r} is missing weights for: {shown}")
@@ -103,7 +112,31 @@ def finalize_model(model: nn.Module) -> nn.Module:
     return model.eval()
 
 
+def resolve_quant_config(loader: ModelLoader, model_path: str, hf_config: Any, quantization: str | None,
+                         profile_name: str | None) -> Any | None:
+    """The checkpoint's quantization config for loaders that read checkpoint files (``WeightsIteratorLoader``);
+    other loaders (dummy) build float models and reject an explicit method. See ``ascent.quantization.detect``."""
+    from ascent.quantization.detect import canonical_method, get_quantization_config
+
+    if not isinstance(loader, WeightsIteratorLoader):
+        if canonical_method(quantization) not in (None, "none"):
+            raise ValueError(f"quantization={quantization!r} is not supported with load format "
+                             f"{loader.load_format!r}")
+        return None
+    if profile_name is None:
+        from ascent.platform.device_config import get_current_profile
+
+        profile_name = get_current_profile().name
+    return get_quantization_config(quantization, model_path, hf_config, profile_name)
+
+
 def get_model(model_path: str, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
-              load_format: str = "auto") -> nn.Module:
-    """Build and load the model at ``model_path`` (see the module docstring)."""
-    return get_model_loader(load_format).load_model(model_path, hf_config, dtype, torch.device(device))
+              load_format: str = "auto", quantization: str | None = None,
+              profile_name: str | None = None) -> nn.Module:
+    """Build and load the model at ``model_path`` (see the module docstring). ``quantization``: None/"auto" detects
+    the checkpoint's method, "none" forces float; ``profile_name`` picks the scheme registry (default: current)."""
+    loader = get_model_loader(load_format)
+    quant_config = resolve_quant_config(loader, model_path, hf_config, quantization, profile_name)
+    if quant_config is None:
+        return loader.load_model(model_path, hf_config, dtype, torch.device(device))
+    return loader.load_model(model_path, hf_config, dtype, torch.device(device), quant_config=quant_config)

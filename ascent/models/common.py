@@ -28,6 +28,9 @@ from ascent.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from
 logger = logging.getLogger(__name__)
 
 SKIPPED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# ModelSlim C8 KV-cache scales live on the k/v projections in the checkpoint and on the attention layer in the engine.
+KV_SCALE_RENAMES = tuple((f".{kv}_proj.kv_cache_{what}", f".attn.{kv}_cache_{what}")
+                         for kv in "kv" for what in ("scale", "offset"))
 
 
 def join_prefix(prefix: str, name: str) -> str:
@@ -90,12 +93,14 @@ class RopeSelfAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
+        if not self.qk_norm:  # rotate the q and k columns of the fused output in place, in one pass
+            self.rotary_emb.rotate_(positions, qkv[:, : self.q_size + self.kv_size])
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             num_tokens = q.shape[0]
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)).view(num_tokens, self.q_size)
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)).view(num_tokens, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -152,22 +157,38 @@ LayerFactory = Callable[[int, RotaryEmbedding, str], nn.Module]
 class DecoderModel(nn.Module):
     """Embedding -> decoder layers -> final norm. ``forward(input_ids int64 [T], positions int64 [T]) -> [T, H]``.
 
-    ``make_layer(layer_idx, rotary_emb, prefix)`` builds each layer (a ``DecoderLayer``)."""
+    ``make_layer(layer_idx, rotary_emb, prefix)`` builds each layer (a ``DecoderLayer``).
+    ``capture_layers`` (set by a speculative proposer, e.g. EAGLE-3): after each forward, ``aux_hidden_states`` holds
+    one ``[T, H]`` tensor per id, in the given order: id ``i`` = the residual stream entering layer ``i`` (``i = L``:
+    the last layer's output before the final norm)."""
+
+    capture_layers: tuple[int, ...] = ()
 
     def __init__(self, config: Any, dtype: torch.dtype, make_layer: LayerFactory, rotary_emb: RotaryEmbedding,
-                 prefix: str = "") -> None:
+                 prefix: str = "", quant_config: Any | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype,
-                                                   prefix=join_prefix(prefix, "embed_tokens"))
+                                                   prefix=join_prefix(prefix, "embed_tokens"),
+                                                   quant_config=quant_config)
         self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(
             make_layer(i, rotary_emb, join_prefix(prefix, f"layers.{i}")) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        with self.rotary_emb.step_cache(positions):  # cos/sin gathered once for all layers
+            return self._forward_layers(input_ids, positions)
+
+    def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.capture_layers:
+                captured[i] = hidden_states if residual is None else hidden_states + residual
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if self.capture_layers:
+            captured[len(self.layers)] = hidden_states + residual
+            self.aux_hidden_states = [captured[i] for i in self.capture_layers]
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -192,7 +213,7 @@ class DecoderForCausalLM(nn.Module):
         self.dtype = dtype
         self.model = self.build_model(hf_config, dtype, quant_config, join_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, params_dtype=dtype,
-                                      prefix=join_prefix(prefix, "lm_head"))
+                                      prefix=join_prefix(prefix, "lm_head"), quant_config=quant_config)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
@@ -205,7 +226,7 @@ class DecoderForCausalLM(nn.Module):
             mlp = dense_mlp(config, dtype, quant_config, join_prefix(layer_prefix, "mlp"))
             return DecoderLayer(attn, mlp, config.hidden_size, config.rms_norm_eps, dtype)
 
-        return DecoderModel(config, dtype, make_layer, build_rope(config, dtype), prefix)
+        return DecoderModel(config, dtype, make_layer, build_rope(config, dtype), prefix, quant_config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -232,6 +253,7 @@ class DecoderForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith(SKIPPED_CHECKPOINT_SUFFIXES) or (self.tie_word_embeddings and name.startswith("lm_head.")):
                 continue
+            name = _rename_kv_scale(name, params)
             for fused, part, shard_id in stacked:
                 if f".{part}." in name:
                     target = name.replace(f".{part}.", f".{fused}.")
@@ -249,3 +271,12 @@ class DecoderForCausalLM(nn.Module):
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(name)
         return loaded
+
+
+def _rename_kv_scale(name: str, params: dict[str, nn.Parameter]) -> str:
+    """``<attn>.k_proj.kv_cache_scale`` -> ``<attn>.attn.k_cache_scale`` when the model has that parameter."""
+    for old, new in KV_SCALE_RENAMES:
+        if name.endswith(old):
+            renamed = name[: -len(old)] + new
+            return renamed if renamed in params else name
+    return name

@@ -72,7 +72,7 @@ class DeepseekMoE(nn.Module):
                                 config.moe_intermediate_size, dtype, activation=getattr(config, "hidden_act", "silu"),
                                 prefix=join_prefix(prefix, "experts"),
                                 num_redundant_experts=getattr(config, "num_redundant_experts", 0) or 0,
-                                **routing_options(config, default_topk_method))
+                                quant_config=quant_config, **routing_options(config, default_topk_method))
         self.shared_experts: GatedMLP | None = None
         if getattr(config, "n_shared_experts", None):
             self.shared_experts = GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
@@ -126,7 +126,7 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         params = dict(self.named_parameters())
         num_experts = self.config.n_routed_experts or 0
         expert_mapping = {frag: (param, e, sid) for param, frag, e, sid in make_expert_params_mapping(num_experts)}
-        expected = {"experts.w13_weight": 2 * num_experts, "experts.w2_weight": num_experts}
+        expected = {"experts.w13_": 2 * num_experts, "experts.w2_": num_experts}
         shards: dict[str, set[Any]] = {}
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -138,8 +138,8 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
                 logger.warning("skipping checkpoint tensor %s: no matching parameter", name)
                 continue
             shards.setdefault(target, set()).add(shard)
-            suffix = next((k for k in expected if target.endswith(k)), None)
-            needed = expected[suffix] if suffix else (2 if target.endswith("gate_up_proj.weight") else 1)
+            suffix = next((k for k in expected if k in target), None)
+            needed = expected[suffix] if suffix else (2 if ".gate_up_proj." in target else 1)
             if len(shards[target]) == needed:
                 loaded.add(target)
         return loaded
@@ -148,10 +148,12 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
     def _load_one(params: dict[str, nn.Parameter], expert_mapping: dict[str, tuple[str, int, str]], name: str,
                   tensor: torch.Tensor) -> tuple[str | None, Any]:
         """Load one tensor; returns (parameter name, shard key) or (None, None) when nothing matches."""
+        from ascent.layers.fused_moe import expert_param_name
+
         match = _EXPERT_KEY.search(name)
         if match is not None and match.group(1) in expert_mapping:
             param_name, expert_id, shard_id = expert_mapping[match.group(1)]
-            target = name[: match.start(1)] + param_name
+            target = name[: match.start(1)] + expert_param_name(param_name, name, match.end(1))
             if target in params:
                 params[target].weight_loader(params[target], tensor, name, shard_id, expert_id)
                 return target, (expert_id, shard_id)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascent.layers.fused_moe import FusedMoE, make_expert_params_mapping
+from ascent.layers.fused_moe import FusedMoE, expert_param_name, make_expert_params_mapping
 from ascent.layers.linear import ReplicatedLinear
 from ascent.layers.rotary import RotaryEmbedding
 from ascent.models.common import (
@@ -37,7 +37,7 @@ _EXPERT_FRAGMENT = re.compile(r"experts\.\d+\.[A-Za-z0-9_]+\.")
 class Qwen3MoeSparseMoeBlock(nn.Module):
     """Router ``gate`` (replicated, unquantized) + routed ``experts``; ``forward(x [T, H]) -> [T, H]``."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, prefix: str = "") -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, prefix: str = "", quant_config: Any | None = None) -> None:
         super().__init__()
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False, params_dtype=dtype,
                                      prefix=join_prefix(prefix, "gate"))
@@ -46,7 +46,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             intermediate_size=config.moe_intermediate_size, params_dtype=dtype,
             renormalize=bool(getattr(config, "norm_topk_prob", True)),
             activation=getattr(config, "hidden_act", "silu"), prefix=join_prefix(prefix, "experts"),
-            num_redundant_experts=getattr(config, "num_redundant_experts", 0) or 0)
+            num_redundant_experts=getattr(config, "num_redundant_experts", 0) or 0, quant_config=quant_config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden_states, self.gate(hidden_states))
@@ -75,7 +75,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         def make_layer(i: int, rope: RotaryEmbedding, layer_prefix: str) -> DecoderLayer:
             attn = rope_attention(config, rope, i, dtype, True, quant_config, layer_prefix)
             mlp_prefix = join_prefix(layer_prefix, "mlp")
-            mlp = (Qwen3MoeSparseMoeBlock(config, dtype, mlp_prefix) if is_sparse_layer(config, i)
+            mlp = (Qwen3MoeSparseMoeBlock(config, dtype, mlp_prefix, quant_config) if is_sparse_layer(config, i)
                    else dense_mlp(config, dtype, quant_config, mlp_prefix))
             return DecoderLayer(attn, mlp, config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -85,7 +85,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                      seen: dict[str, set[tuple[int, str]]]) -> None:
         match = _EXPERT_FRAGMENT.search(name)
         entry = self._expert_mapping.get(match.group(0)) if match else None
-        target = name[: match.start()] + entry[0] if match and entry else None
+        target = name[: match.start()] + expert_param_name(entry[0], name, match.end()) if match and entry else None
         if target is None or target not in params:
             logger.warning("skipping checkpoint tensor %s: no matching expert parameter", name)
             return
@@ -107,5 +107,5 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
 
         loaded = super().load_weights(non_expert())
         num_experts = self.config.num_experts
-        needed = {"w13_weight": 2 * num_experts, "w2_weight": num_experts}
-        return loaded | {t for t, shards in seen.items() if len(shards) == needed[t.rsplit(".", 1)[-1]]}
+        needed = {"w13": 2 * num_experts, "w2": num_experts}
+        return loaded | {t for t, shards in seen.items() if len(shards) == needed[t.rsplit(".", 1)[-1].split("_")[0]]}

@@ -72,12 +72,13 @@ class ModelRunner:
     def load_model(self) -> None:
         mc = self.model_config
         self.model = get_model(mc.model, self._model_hf_config(), self.dtype, self.device,
-                               self.config.load_config.load_format)
+                               self.config.load_config.load_format, quantization=getattr(mc, "quantization", None),
+                               profile_name=getattr(self.profile, "name", None))
         self._attn_layers = [m for m in self.model.modules() if _is_kv_layer(m)]
         if not self._attn_layers:
             raise ValueError(f"model {mc.model!r} has no attention layers")
         if self.spec is not None:
-            self.spec.load_model(self.model)
+            self.spec.load_model(self.model, self.config)
         self._metadata_builder = make_metadata_builder(
             self._attn_layers[0].backend, max_model_len=self.max_model_len,
             max_num_seqs=self.config.scheduler_config.max_num_seqs,
@@ -102,7 +103,7 @@ class ModelRunner:
         return sum(
             math.prod(layer.backend.get_kv_cache_shape(1, self.block_size, layer.num_kv_heads, layer.head_size)) * elem
             for layer in self.attention_layers()
-        )
+        ) + (self.spec.kv_cache_bytes_per_block() if self.spec is not None else 0)  # a drafter's own cache
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one cache tensor per attention layer and bind it to the layer."""
@@ -112,6 +113,8 @@ class ModelRunner:
             cache = _allocate_cache(shape, self.dtype, self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.spec is not None:
+            self.spec.initialize_kv_cache(num_blocks)
 
     # ------------------------------------------------------------------------------------------------ state diff
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -206,6 +209,9 @@ class ModelRunner:
             last_idx = torch.from_numpy(inp.query_start_loc[sampling + 1].astype(np.int64) - 1).to(self.device)
             logits = self.model.compute_logits(hidden[last_idx])
             self._sample(inp, sampling, logits, output)
+        if self.spec is not None:
+            self.spec.observe(self.input_batch, inp.req_ids, inp.rows, inp.query_start_loc, inp.positions_np,
+                              hidden, self.model)
         if self.spec is not None and len(sampling):
             req_ids = [inp.req_ids[i] for i in sampling]
             output.spec_token_ids = self.spec.propose(self.input_batch, req_ids,
@@ -234,7 +240,7 @@ class ModelRunner:
         rows = np.concatenate([np.arange(e - len(d) - 1, e) for e, d in zip(ends, drafts)])
         logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
         accepted = self.spec.verify(drafts, logits, self._sampling_metadata(states),
-                                    [s.sampling_params.min_tokens for s in states])
+                                    [s.sampling_params.min_tokens for s in states], [s.req_id for s in states])
         offset = 0
         for j, i in enumerate(sampling):
             tokens = accepted[j]

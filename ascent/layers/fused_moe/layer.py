@@ -14,6 +14,7 @@ Parallelism (``ascent.distributed.parallel_state``):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,6 +44,14 @@ def make_expert_params_mapping(num_experts: int, ckpt_gate_proj_name: str = "gat
             for e in range(num_experts) for sid, proj in shards]
 
 
+def expert_param_name(param_name: str, checkpoint_name: str, fragment_end: int) -> str:
+    """The fused parameter for a per-expert checkpoint tensor: ``experts.w13_weight`` + the tensor's suffix after the
+    ``experts.{e}.{proj}.`` fragment ending at ``fragment_end`` (``weight`` -> ``w13_weight``, ``weight_scale`` ->
+    ``w13_weight_scale``, ``weight_packed`` -> ``w13_weight_packed``)."""
+    suffix = checkpoint_name[fragment_end:]
+    return param_name[: -len("weight")] + suffix if param_name.endswith("weight") else param_name
+
+
 def _check_routing_args(num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                         activation: str) -> None:
     for name, value in (("num_experts", num_experts), ("top_k", top_k), ("hidden_size", hidden_size),
@@ -66,6 +75,10 @@ class FusedMoE(nn.Module):
     (times ``sigmoid(shared_expert_gate(hidden))`` when a gate is given) if those optional modules are passed.
     ``forced_comm`` (None = the profile policy) pins the EP dispatcher, e.g. for comparisons and benchmarks.
 
+    ``quant_config`` (keyword-only): when ``quant_config.get_quant_method(self, prefix)`` returns a method, the
+    experts' parameters come from its ``create_weights`` (``w13_*`` / ``w2_*`` tagged with ``moe_role``,
+    ``moe_shard_dim``, ``moe_per_shard_scalar``) and the expert MLP runs its ``apply_experts``.
+
     Keyword-only extras beyond the shared contract: ``num_redundant_experts`` (extra physical slots, default
     round-robin replicas) or a ready ``expert_map`` (its EP rank/size must match the EP group), and
     ``shared_experts`` / ``shared_expert_gate``. ``last_expert_tokens`` holds the rows per local slot of the last
@@ -78,7 +91,7 @@ class FusedMoE(nn.Module):
                  e_score_correction_bias: bool = False, routed_scaling_factor: float = 1.0,
                  activation: str = "silu", prefix: str = "", *, num_redundant_experts: int = 0,
                  expert_map: ExpertMap | None = None, shared_experts: nn.Module | None = None,
-                 shared_expert_gate: nn.Module | None = None) -> None:
+                 shared_expert_gate: nn.Module | None = None, quant_config: Any | None = None) -> None:
         super().__init__()
         _check_routing_args(num_experts, top_k, hidden_size, intermediate_size, activation)
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
@@ -101,6 +114,7 @@ class FusedMoE(nn.Module):
         self.expert_map = expert_map or ExpertMap(num_experts, self.ep_group.world_size,
                                                   self.ep_group.rank_in_group, num_redundant=num_redundant_experts)
         self._check_expert_map()
+        self.quant_method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
         self._create_weights(e_score_correction_bias)
         self.shared_experts, self.shared_expert_gate = shared_experts, shared_expert_gate
         self.forced_comm: MoECommType | None = None
@@ -116,10 +130,13 @@ class FusedMoE(nn.Module):
 
     def _create_weights(self, with_bias: bool) -> None:
         s, i, h = self.expert_map.num_local, self.intermediate_size_per_partition, self.hidden_size
-        for name, shape in (("w13_weight", (s, 2 * i, h)), ("w2_weight", (s, h, i))):
-            param = nn.Parameter(torch.empty(shape, dtype=self.params_dtype), requires_grad=False)
-            set_weight_attrs(param, {"weight_loader": self.weight_loader})
-            self.register_parameter(name, param)
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self, s, h, i, self.params_dtype, self.weight_loader)
+        else:
+            for name, shape in (("w13_weight", (s, 2 * i, h)), ("w2_weight", (s, h, i))):
+                param = nn.Parameter(torch.empty(shape, dtype=self.params_dtype), requires_grad=False)
+                set_weight_attrs(param, {"weight_loader": self.weight_loader})
+                self.register_parameter(name, param)
         if with_bias:
             bias = nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32), requires_grad=False)
             set_weight_attrs(bias, {"weight_loader": self.weight_loader})
@@ -141,26 +158,42 @@ class FusedMoE(nn.Module):
             return True
         if shard_id not in SHARD_IDS:
             raise ValueError(f"{where}: shard_id {shard_id!r} must be one of {SHARD_IDS}")
-        if param is not (self.w2_weight if shard_id == "w2" else self.w13_weight):
+        role = getattr(param, "moe_role", None) or {id(self.w13_weight): "w13", id(self.w2_weight): "w2"}.get(id(param))
+        if role != ("w2" if shard_id == "w2" else "w13"):
             raise ValueError(f"{where}: shard_id {shard_id!r} does not belong to this parameter")
         if expert_id is None or not 0 <= int(expert_id) < self.num_experts:
             raise ValueError(f"{where}: expert_id {expert_id!r} outside [0, {self.num_experts})")
         slots = self.expert_map.local_slots(int(expert_id))
         for slot in slots:
-            self._load_shard(param.data[slot], loaded_weight, shard_id, where)
+            self._load_shard(param.data[slot], loaded_weight, shard_id, where, param)
         return bool(slots)
 
-    def _load_shard(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: str, where: str) -> None:
-        i = self.intermediate_size_per_partition
-        full = (self.hidden_size, i * self.moe_tp_size) if shard_id == "w2" else (i * self.moe_tp_size,
-                                                                                  self.hidden_size)
+    def _load_shard(self, dst: torch.Tensor, loaded: torch.Tensor, shard_id: str, where: str,
+                    param: torch.Tensor | None = None) -> None:
+        """One expert's shard into its slot ``dst``: w1/w3 into the first/second half of dim 0 (narrowed to this
+        TP rank), w2 narrowed along ``moe_shard_dim`` (default 1; None = not sharded). ``moe_per_shard_scalar``
+        parameters take the value whole into row 0 (w1, w2) or 1 (w3)."""
+        if getattr(param, "moe_per_shard_scalar", False):
+            row = dst[1 if shard_id == "w3" else 0]
+            if loaded.numel() != row.numel():
+                raise ValueError(f"{where}: {shard_id} value of shape {tuple(loaded.shape)} != {tuple(row.shape)}")
+            row.copy_(loaded.reshape(row.shape))
+            return
+        tp, rank = self.moe_tp_size, self.moe_tp_rank
+        dim = getattr(param, "moe_shard_dim", 1) if shard_id == "w2" else 0
+        if dim is None:
+            full, size = tuple(dst.shape), 0
+        else:
+            size = dst.shape[dim] if shard_id == "w2" else dst.shape[0] // 2
+            full = tuple(size * tp if d == dim else n for d, n in enumerate(dst.shape))
         if tuple(loaded.shape) != full:
             raise ValueError(f"{where}: {shard_id} shape {tuple(loaded.shape)} != expected {full}")
-        start = self.moe_tp_rank * i
-        if shard_id == "w2":
-            dst.copy_(loaded.narrow(1, start, i))
+        if dim is None:
+            dst.copy_(loaded)
+        elif shard_id == "w2":
+            dst.copy_(loaded.narrow(dim, rank * size, size))
         else:
-            dst.narrow(0, 0 if shard_id == "w1" else i, i).copy_(loaded.narrow(0, start, i))
+            dst.narrow(0, 0 if shard_id == "w1" else size, size).copy_(loaded.narrow(0, rank * size, size))
 
     # ----- EPLB: placement updates -----
     def expert_weights(self, local_slot: int) -> ExpertWeights:
@@ -172,6 +205,9 @@ class FusedMoE(nn.Module):
         """Adopt a new placement and refill the local slots whose expert changed. A slot's new weights are copied
         from a local slot that held that expert before; otherwise ``fetch(move)`` must return them (e.g. received
         from ``move.sources`` on another rank). ValueError (and no change) when a slot cannot be filled."""
+        if self.quant_method is not None:
+            raise NotImplementedError(f"{self.prefix}: EPLB expert rearrangement of quantized experts is not "
+                                      f"supported (their scales and packed layouts would have to move too)")
         moves = self.expert_map.plan_placement(new_physical_to_logical)
         start, s = self.expert_map.local_start, self.expert_map.num_local
         fresh: list[ExpertWeights] = []
@@ -209,6 +245,8 @@ class FusedMoE(nn.Module):
 
     def _experts(self, x: torch.Tensor, group_list: torch.Tensor) -> torch.Tensor:
         self.last_expert_tokens = group_list
+        if self.quant_method is not None:
+            return self.quant_method.apply_experts(self, x, group_list, self.activation)
         return unified_apply_mlp(x, self.w13_weight, self.w2_weight, group_list, 1, self.activation,
                                  adaptor=self.adaptor)
 

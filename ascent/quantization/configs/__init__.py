@@ -1,0 +1,1 @@
+"""Quantization config front-ends."""

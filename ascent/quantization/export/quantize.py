@@ -1,0 +1,116 @@
+"""``quantize_model``: float model -> (optional SmoothQuant) -> RTN of every attention / MLP linear -> a complete
+HF-format model directory in the ModelSlim or compressed-tensors layout (config.json, generation_config.json,
+tokenizer files, safetensors; ModelSlim adds quant_model_description.json)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ascent.quantization.export.calibrate import collect_input_stats, corpus_token_ids, quantized_linear_names
+from ascent.quantization.export.ct_writer import write_compressed_tensors
+from ascent.quantization.export.modelslim_writer import write_modelslim
+from ascent.quantization.export.schemes import (FORMATS, LayerExport, check_group_size, get_scheme,
+                                                quantize_layer)
+from ascent.quantization.export.smoothquant import apply_smoothquant
+from ascent.quantization.export.source import FloatModel, load_float_model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GROUP_SIZE = 128
+DEFAULT_CALIB_TOKENS = 512
+
+
+@dataclass
+class ExportResult:
+    """What :func:`quantize_model` wrote."""
+
+    out_dir: Path
+    scheme: str
+    format: str
+    dtype: torch.dtype
+    quantized_layers: list[str]
+    seconds: float
+    smoothquant_alpha: float | None = None
+    files: list[str] = field(default_factory=list)
+
+
+def _float_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """The model's state dict as HF saves it (a tied ``lm_head.weight`` is dropped)."""
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def _write_config(model: Any, out_dir: Path, dtype: torch.dtype, quant_config: dict[str, Any] | None) -> None:
+    config = model.config.to_dict()
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    config.pop("_name_or_path", None)
+    if quant_config is not None:
+        config["quantization_config"] = quant_config
+    with open(out_dir / "config.json", "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def export_float_model(fm: FloatModel, scheme_name: str, fmt: str, out_dir: str | Path,
+                       group_size: int = DEFAULT_GROUP_SIZE, smoothquant: float | None = None,
+                       calib_tokens: int = DEFAULT_CALIB_TOKENS) -> ExportResult:
+    """Quantize the already loaded ``fm`` (modified in place when ``smoothquant`` is set) and write ``out_dir``."""
+    start = time.perf_counter()
+    scheme = get_scheme(scheme_name)
+    if fmt not in FORMATS:
+        raise ValueError(f"format={fmt!r} is not one of {FORMATS}")
+    model, dtype = fm.model, fm.dtype
+    names = quantized_linear_names(model)
+    if not names:
+        raise ValueError(f"{type(model).__name__} has no decoder-layer linears to quantize")
+    modules = dict(model.named_modules())
+    if scheme.grouped:
+        check_group_size({n: modules[n].weight for n in names}, group_size)
+    stats = None
+    if scheme.activations == "static" or smoothquant is not None:
+        tokens = corpus_token_ids(fm.tokenizer, calib_tokens)
+        logger.info("calibrating %d linears on %d corpus tokens", len(names), len(tokens))
+        stats = collect_input_stats(model, tokens, names)
+        if smoothquant is not None:
+            stats = apply_smoothquant(model, stats, smoothquant)
+    layers = []
+    for name in names:
+        linear = modules[name]
+        bias = linear.bias.detach().float() if linear.bias is not None else None
+        layers.append(LayerExport(name, quantize_layer(name, linear.weight, scheme, dtype, group_size), bias,
+                                  stats[name] if stats is not None and scheme.activations == "static" else None))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = _float_tensors(model)
+    quant_config = None
+    if fmt == "modelslim":
+        write_modelslim(out, tensors, layers, scheme, dtype, group_size)
+    else:
+        quant_config = write_compressed_tensors(out, tensors, layers, scheme, dtype, group_size)
+    _write_config(model, out, dtype, quant_config)
+    fm.generation_config.save_pretrained(str(out))
+    fm.tokenizer.save_pretrained(str(out))
+    return ExportResult(out, scheme.name, fmt, dtype, names, time.perf_counter() - start, smoothquant,
+                        sorted(p.name for p in out.iterdir()))
+
+
+def quantize_model(model: str | None, scheme: str, fmt: str, out_dir: str | Path,
+                   group_size: int = DEFAULT_GROUP_SIZE, smoothquant: float | None = None,
+                   calib_tokens: int = DEFAULT_CALIB_TOKENS, dtype: str | None = "auto") -> ExportResult:
+    """Load ``model`` (HF dir, ``.gguf`` or None/"default" = SmolLM2) in ``dtype`` and export it (see
+    :func:`export_float_model`)."""
+    get_scheme(scheme)
+    if fmt not in FORMATS:
+        raise ValueError(f"format={fmt!r} is not one of {FORMATS}")
+    return export_float_model(load_float_model(model, dtype), scheme, fmt, out_dir, group_size, smoothquant,
+                              calib_tokens)

@@ -1,0 +1,176 @@
+"""Adapters from schemes to the ``quant_method`` objects layers call.
+
+``quant_method_for(config, layer, prefix)`` asks ``config.get_spec(prefix, layer_type)`` for the layer kind and
+wraps the registry's scheme:
+
+* ``LinearBase`` -> :class:`QuantLinearMethod` (a ``LinearMethodBase``); None when the spec is None, so the layer
+  falls back to ``UnquantizedLinearMethod``;
+* ``FusedMoE`` -> :class:`QuantMoEMethod` (exposes the scheme's ``create_weights`` / ``apply_experts`` /
+  ``dequantized_weights`` / ``process_weights_after_loading``);
+* attention layers -> :class:`QuantKVCacheMethod` (``create_weights`` / ``quantize_kv`` / ``dequantize_kv``);
+* embeddings and lm_head stay unquantized (None); a quantized spec for them is a NotImplementedError naming
+  ``quant_type`` and ``layer_type``.
+
+The registry is ``config.registry`` when the config has one (the 310P ModelSlim config always does), else the
+registry of the current hardware profile. ``W8A8SC`` is rejected with one clear ValueError for every registry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ascent.layers.linear import LinearBase, LinearMethodBase
+from ascent.quantization.base import (
+    QuantAttentionScheme,
+    QuantizationConfig,
+    QuantLinearScheme,
+    QuantMoEScheme,
+    QuantScheme,
+    QuantSpec,
+)
+from ascent.quantization.registry import SchemeRegistry, registry_for_profile
+
+REJECTED_TYPES = {"W8A8SC": "W8A8SC is a 310P-only compressed format; re-export as W8A8S/W8A8"}
+
+
+def registry_of(config: QuantizationConfig) -> SchemeRegistry:
+    """``config.registry`` if set, else the registry of the current hardware profile."""
+    registry = getattr(config, "registry", None)
+    if registry is not None:
+        return registry
+    from ascent.platform.device_config import get_current_profile
+
+    return registry_for_profile(get_current_profile().name)
+
+
+def create_scheme(registry: SchemeRegistry, spec: QuantSpec, prefix: str = "") -> QuantScheme:
+    """The registry's scheme for ``spec`` (NotImplementedError naming both keys when unsupported). Formats no
+    registry can run (``REJECTED_TYPES``) are a ValueError with the re-export hint, whichever registry is asked
+    (the 310P registry's own W8A8SC scheme raises the same message when constructed)."""
+    try:
+        cls = registry.get(spec.quant_type, spec.layer_type)
+    except NotImplementedError:
+        if spec.quant_type in REJECTED_TYPES:
+            raise ValueError(f"{registry.label}{REJECTED_TYPES[spec.quant_type]} (quant_type={spec.quant_type!r}, "
+                             f"layer_type={spec.layer_type!r}, layer {prefix!r})") from None
+        raise
+    return cls(spec)
+
+
+class QuantLinearMethod(LinearMethodBase):
+    """A ``LinearMethodBase`` that delegates to a :class:`QuantLinearScheme`."""
+
+    def __init__(self, scheme: QuantLinearScheme) -> None:
+        self.scheme = scheme
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+        weight_loader = extra_weight_attrs.pop("weight_loader")
+        if extra_weight_attrs:
+            raise ValueError(f"unexpected weight attributes for a quantized linear: {sorted(extra_weight_attrs)}")
+        self.scheme.create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                                   params_dtype, weight_loader)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.scheme.apply(layer, x, bias)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.scheme.process_weights_after_loading(layer)
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        return self.scheme.dequantized_weight(layer)
+
+    def apply_reference(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.scheme.apply_reference(layer, x, bias)
+
+
+class QuantMoEMethod:
+    """The quant method of a ``FusedMoE`` layer, delegating to a :class:`QuantMoEScheme`."""
+
+    def __init__(self, scheme: QuantMoEScheme) -> None:
+        self.scheme = scheme
+
+    def create_weights(self, layer: nn.Module, num_local_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype, weight_loader: Any) -> None:
+        self.scheme.create_weights(layer, num_local_experts, hidden_size, intermediate_size_per_partition,
+                                   params_dtype, weight_loader)
+
+    def apply_experts(self, layer: nn.Module, x: torch.Tensor, group_list: torch.Tensor,
+                      activation: str) -> torch.Tensor:
+        return self.scheme.apply_experts(layer, x, group_list, activation)
+
+    def dequantized_weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.scheme.dequantized_weights(layer)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.scheme.process_weights_after_loading(layer)
+
+
+class QuantKVCacheMethod:
+    """The quant method of an attention layer (KV-cache quantization), delegating to a :class:`QuantAttentionScheme`."""
+
+    def __init__(self, scheme: QuantAttentionScheme) -> None:
+        self.scheme = scheme
+
+    def create_weights(self, layer: nn.Module, num_kv_heads: int, head_size: int, params_dtype: torch.dtype,
+                       weight_loader: Any) -> None:
+        self.scheme.create_weights(layer, num_kv_heads, head_size, params_dtype, weight_loader)
+
+    def quantize_kv(self, layer: nn.Module, key: torch.Tensor, value: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.scheme.quantize_kv(layer, key, value)
+
+    def dequantize_kv(self, layer: nn.Module, key: torch.Tensor, value: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.scheme.dequantize_kv(layer, key, value)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.scheme.process_weights_after_loading(layer)
+
+
+def layer_type_of(layer: nn.Module) -> str | None:
+    """``linear`` | ``moe`` | ``attention`` | ``embedding`` for the engine layer classes; None otherwise."""
+    from ascent.attention.layer import Attention
+    from ascent.layers.embed_head import VocabParallelEmbedding
+    from ascent.layers.fused_moe import FusedMoE
+
+    if isinstance(layer, LinearBase):
+        return "linear"
+    if isinstance(layer, FusedMoE):
+        return "moe"
+    if isinstance(layer, Attention) or getattr(layer, "is_attention_layer", False):
+        return "attention"
+    if isinstance(layer, VocabParallelEmbedding):
+        return "embedding"
+    return None
+
+
+_WRAPPERS: dict[str, tuple[type, type]] = {
+    "linear": (QuantLinearScheme, QuantLinearMethod),
+    "moe": (QuantMoEScheme, QuantMoEMethod),
+    "attention": (QuantAttentionScheme, QuantKVCacheMethod),
+}
+
+
+def quant_method_for(config: QuantizationConfig, layer: nn.Module, prefix: str) -> Any | None:
+    """The quant method of ``layer`` at engine ``prefix`` (None = unquantized; see the module docstring)."""
+    layer_type = layer_type_of(layer)
+    if layer_type is None:
+        return None
+    spec = config.get_spec(prefix, layer_type)
+    if spec is None:
+        return None
+    if layer_type == "embedding":
+        raise NotImplementedError(
+            f"Unsupported quant_type={spec.quant_type!r} for layer_type='embedding' ({prefix!r}): embeddings and "
+            f"lm_head load unquantized only; mark them FLOAT / ignore them in the quantization config")
+    if spec.layer_type != layer_type:
+        raise ValueError(f"{prefix}: config returned a {spec.layer_type!r} spec for a {layer_type!r} layer")
+    scheme = create_scheme(registry_of(config), spec, prefix)
+    base, wrapper = _WRAPPERS[layer_type]
+    if not isinstance(scheme, base):
+        raise TypeError(f"scheme {type(scheme).__name__} for {spec.quant_type}/{layer_type} is not a {base.__name__}")
+    return wrapper(scheme)

@@ -1,0 +1,153 @@
+"""Weight-only int8 (W8A16), spec §2, and the shared weight-only machinery W4A16 builds on.
+
+Checkpoint (ModelSlim): ``weight`` int8 [N, K], ``weight_scale`` and ``weight_offset`` per-channel [N, 1] or
+per-group [N, K/g] (model dtype or fp32). compressed-tensors: ``weight``, ``weight_scale`` and, asymmetric only,
+``weight_zero_point``. Dequantization uses the documented *subtractive* zero point (spec §11.5):
+``W = (Wq - o_w) * s_w``; ``y = x @ W^T + b``.
+
+Fast paths (chosen by M, ``kernels.weight_only_path``): ``torch._weight_int8pack_mm`` for decode-sized M when the
+weight is per-channel and symmetric; otherwise a dequantize-once dense weight (oneDNN-packed bf16/fp16).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ascent.quantization.base import QuantLinearScheme, WeightLoader
+from ascent.quantization.kernels import DenseWeightCache, weight_int8_linear, weight_only_path
+from ascent.quantization.registry import register_scheme
+from ascent.quantization.packing import unpack_from_int32
+from ascent.quantization.schemes.common import (
+    add_param, expand_groups, group_size_of, layer_name, num_shards, use_reference,
+)
+
+
+class WeightOnlyLinear(QuantLinearScheme):
+    """Shared weight-only logic. Subclasses provide :meth:`int_weight` (int8 values [N, K]) and may set up a
+    packed decode kernel in :meth:`prepare_packed` / :meth:`packed_linear`. After loading the layer holds
+    ``wo_scale`` fp32 [N, G], ``wo_zero`` fp32 [N, G] or None (all-zero offsets) and ``wo_dense`` (cache)."""
+
+    force_reference = False
+    bits = 8
+
+    @property
+    def modelslim(self) -> bool:
+        return self.spec.source_format != "compressed-tensors"
+
+    @property
+    def packed_checkpoint(self) -> bool:
+        """compressed-tensors ``pack-quantized``: ``weight_packed`` int32 with 32/bits values per word along K."""
+        return not self.modelslim and (self.bits < 8 or self.spec.extra.get("format") == "pack-quantized")
+
+    @property
+    def offset_name(self) -> str:
+        return "weight_offset" if self.modelslim else "weight_zero_point"
+
+    def create_scales(self, layer: nn.Module, n: int, k: int, weight_loader: WeightLoader,
+                      with_offset: bool) -> None:
+        """``weight_scale`` [N, G] (G = K/g, 1 for per-channel) and the float offset of the same shape."""
+        groups = k // group_size_of(self.spec, k)
+        dims = {"output_dim": 0, **({"input_dim": 1} if self.spec.weight_strategy == "group" else {})}
+        add_param(layer, "weight_scale", (n, groups), torch.float32, weight_loader, fill=1.0, **dims)
+        if with_offset:
+            add_param(layer, self.offset_name, (n, groups), torch.float32, weight_loader, optional_default=0.0,
+                      **dims)
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        if self.packed_checkpoint:
+            create_packed_weights(self, layer, n, k, output_partition_sizes, weight_loader)
+            return
+        add_param(layer, "weight", (n, k), torch.int8, weight_loader, output_dim=0, input_dim=1)
+        self.create_scales(layer, n, k, weight_loader, self.modelslim or not self.spec.weight_symmetric)
+
+    def int_weight(self, layer: nn.Module) -> torch.Tensor:
+        """Signed integer weight values, int8 [N, K]."""
+        if self.packed_checkpoint:
+            packed = layer.weight_packed.detach()
+            return unpack_from_int32(packed, self.bits, packed.shape[1] * (32 // self.bits), dim=1)
+        return layer.weight.detach()
+
+    def zero_points(self, layer: nn.Module) -> torch.Tensor | None:
+        """Subtractive zero points fp32 [N, G], or None when absent / all zero."""
+        if self.packed_checkpoint:
+            param = getattr(layer, "weight_zero_point", None)
+            if param is None:
+                return None
+            zp = unpack_from_int32(param.detach(), self.bits, layer.weight_scale.shape[0], dim=0).float()
+            return zp if bool((zp != 0).any()) else None
+        param = getattr(layer, self.offset_name, None)
+        if param is None or not bool((param.detach() != 0).any()):
+            return None
+        return param.detach().float()
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.packed_checkpoint:
+            check_weight_shape(layer)
+        layer.wo_scale = layer.weight_scale.detach().float()
+        layer.wo_zero = self.zero_points(layer)
+        layer.wo_dense = DenseWeightCache(lambda: self.dequantized_weight(layer))
+        self.prepare_packed(layer)
+
+    def prepare_packed(self, layer: nn.Module) -> None:
+        """int8pack decode kernel: per-channel symmetric only."""
+        layer.wo_packed = None
+        if layer.wo_zero is None and layer.wo_scale.shape[1] == 1:
+            layer.wo_packed = (self.int_weight(layer).contiguous(), layer.wo_scale.reshape(-1).contiguous())
+
+    def packed_linear(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        w, scale = layer.wo_packed
+        return weight_int8_linear(x, w, scale, bias)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if use_reference(self):
+            return self.apply_reference(layer, x, bias)
+        m = x.numel() // x.shape[-1]
+        if layer.wo_packed is not None and x.device.type == "cpu" and weight_only_path(m) == "packed":
+            return self.packed_linear(layer, x, bias)
+        return layer.wo_dense.linear(x, bias)
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        q = self.int_weight(layer).float()
+        if layer.wo_zero is not None:
+            q = q - expand_groups(layer.wo_zero, q.shape[1])
+        return q * expand_groups(layer.wo_scale, q.shape[1])
+
+
+def create_packed_weights(scheme: WeightOnlyLinear, layer: nn.Module, n: int, k: int,
+                          output_partition_sizes: list[int], weight_loader: WeightLoader) -> None:
+    """compressed-tensors pack-quantized parameters: ``weight_packed`` int32 [N, K*bits/32], ``weight_scale``
+    [N, G], ``weight_shape`` int64 (one [N, K] row per fused shard) and, asymmetric, ``weight_zero_point`` int32
+    packed along N [N*bits/32, G]."""
+    per_word = 32 // scheme.bits
+    if k % per_word:
+        raise ValueError(f"{layer_name(layer)}: pack-quantized int{scheme.bits} needs K % {per_word} == 0, got K={k}")
+    add_param(layer, "weight_packed", (n, k // per_word), torch.int32, weight_loader, output_dim=0, input_dim=1,
+              packed_dim=1, packed_factor=per_word)
+    scheme.create_scales(layer, n, k, weight_loader, with_offset=False)
+    add_param(layer, "weight_shape", (num_shards(output_partition_sizes), 2), torch.int64, weight_loader,
+              per_shard_scalar=True, optional_default=0)
+    if not scheme.spec.weight_symmetric:
+        if n % per_word:
+            raise ValueError(f"{layer_name(layer)}: packed zero points need N % {per_word} == 0, got N={n}")
+        groups = k // group_size_of(scheme.spec, k)
+        dims = {"input_dim": 1} if scheme.spec.weight_strategy == "group" else {}
+        add_param(layer, "weight_zero_point", (n // per_word, groups), torch.int32, weight_loader, output_dim=0,
+                  packed_dim=0, packed_factor=per_word, **dims)
+
+
+def check_weight_shape(layer: nn.Module) -> None:
+    """``weight_shape`` rows (when loaded) must name this layer's input size."""
+    shapes = layer.weight_shape.detach()
+    k_full = getattr(layer, "input_size", None)
+    loaded = shapes[shapes[:, 1] != 0]
+    if k_full is not None and loaded.numel() and bool((loaded[:, 1] != k_full).any()):
+        raise ValueError(f"{layer_name(layer)}: weight_shape {shapes.tolist()} does not match input size {k_full}")
+
+
+@register_scheme("W8A16", "linear")
+class W8A16Linear(WeightOnlyLinear):
+    """int8 weight-only."""

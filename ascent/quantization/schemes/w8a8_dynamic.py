@@ -1,0 +1,59 @@
+"""W8A8 dynamic (per-token symmetric int8 activations, per-channel symmetric int8 weights), spec §2.
+
+Checkpoint: ``weight`` int8 [N, K], ``weight_scale`` [N, 1] (+ ModelSlim ``weight_offset`` [N, 1], which must be
+all zero — verified at load, spec §11.10). Forward: ``s_x[m] = max_k |x[m, k]| / 127``,
+``xq = clamp(rint(x / s_x), -128, 127)``, ``y = (xq @ Wq^T) * s_x[m] * s_w[n] + b``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ascent.quantization.base import QuantLinearScheme, WeightLoader
+from ascent.quantization.kernels import int8_linear_dynamic, quantize_per_token_int8
+from ascent.quantization.registry import register_scheme
+from ascent.quantization.schemes.common import add_param, check_zero_offset, use_reference
+from ascent.quantization.schemes.w8a8_static import create_int8_weight
+
+
+def dynamic_reference(x: torch.Tensor, w_deq: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``((xq * s_x) @ w_deq^T + b)`` in float32 with per-token int8 ``xq, s_x`` of ``x [..., K]``; ``w_deq``
+    float32 [N, K] -> x's dtype."""
+    xq, s = quantize_per_token_int8(x.reshape(-1, x.shape[-1]))
+    y = (xq.float() * s.unsqueeze(1)) @ w_deq.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+@register_scheme("W8A8_DYNAMIC", "linear")
+class W8A8DynamicLinear(QuantLinearScheme):
+    """After loading: ``w8a8_w_t`` (int8 [K, N] column-major view) and ``w8a8_ws`` fp32 [N]."""
+
+    force_reference = False
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       weight_loader: WeightLoader) -> None:
+        n = sum(output_partition_sizes)
+        create_int8_weight(layer, n, input_size_per_partition, weight_loader)
+        if self.spec.source_format != "compressed-tensors":
+            add_param(layer, "weight_offset", (n, 1), torch.float32, weight_loader, output_dim=0,
+                      optional_default=0.0)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        check_zero_offset(layer, "weight_offset", self.quant_type)
+        layer.w8a8_w_t = layer.weight.detach().t()
+        layer.w8a8_ws = layer.weight_scale.detach().float().reshape(-1).contiguous()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if use_reference(self):
+            return self.apply_reference(layer, x, bias)
+        return int8_linear_dynamic(x, layer.w8a8_w_t, layer.w8a8_ws, bias)
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight.detach().float() * layer.weight_scale.detach().float().reshape(-1, 1)
+
+    def apply_reference(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return dynamic_reference(x, self.dequantized_weight(layer), bias)

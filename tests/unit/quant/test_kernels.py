@@ -1,0 +1,119 @@
+"""Quantized kernels against numpy integer / float64 references: exact int32 accumulation, static/dynamic int8
+epilogues, per-group int8 products, the int4pack conversion (w = (u - 8) * scale + zero) and the path switches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ascent.layers.linear import ReplicatedLinear
+from ascent.quantization import kernels
+from ascent.quantization.base import QuantSpec
+from tests.unit.quant.scheme_utils import (
+    SpecConfig,
+    finish,
+    gaussian,
+    load,
+    np_per_token_int8,
+    np_static_int8,
+    quant_asym,
+    quant_sym,
+    rel,
+    t,
+)
+
+
+@pytest.mark.parametrize("m", [0, 1, 7, 33])
+def test_int8_mm_exact(m):
+    rng = np.random.default_rng(m)
+    a = rng.integers(-128, 128, (m, 96), dtype=np.int8)
+    b = rng.integers(-128, 128, (40, 96), dtype=np.int8)
+    got = kernels.int8_mm(t(a), t(b).t())
+    assert got.dtype == torch.int32
+    assert np.array_equal(got.numpy(), a.astype(np.int64) @ b.astype(np.int64).T)
+
+
+def test_int_mm_shape_rules():
+    assert kernels.int_mm_supported(1, 3, 5, torch.device("cpu"))
+    cuda = torch.device("cuda")
+    assert kernels.int_mm_supported(17, 64, 64, cuda)
+    assert not kernels.int_mm_supported(16, 64, 64, cuda)
+    assert not kernels.int_mm_supported(32, 60, 64, cuda)
+    assert not kernels.int_mm_supported(32, 64, 36, cuda)
+
+
+def test_int8_linear_static_and_dynamic():
+    x, w = gaussian((9, 64), 0), gaussian((24, 64), 1, 0.05)
+    q, s_w = quant_sym(w, 8)
+    beta = np.arange(24, dtype=np.int32) - 12
+    d = (np.float32(0.02) * s_w[:, 0]).astype(np.float32)
+    y = kernels.int8_linear_static(t(x), t(q).t(), 0.02, 3.0, t(d), t(beta))
+    acc = np_static_int8(x, 0.02, 3.0) @ q.astype(np.int64).T + beta
+    assert rel(y.numpy(), acc * d.astype(np.float64)) < 1e-6
+    b = gaussian((24,), 2)
+    y = kernels.int8_linear_dynamic(t(x).reshape(3, 3, 64), t(q).t(), t(s_w[:, 0]), t(b))
+    xq, s_x = np_per_token_int8(x)
+    expected = (xq @ q.astype(np.int64).T) * s_x.astype(np.float64)[:, None] * s_w.astype(np.float64).T + b
+    assert y.shape == (3, 3, 24)
+    assert rel(y.reshape(9, 24).numpy(), expected) < 1e-6
+
+
+def test_int8_grouped_weight_scales():
+    x, w = gaussian((5, 128), 3), gaussian((16, 128), 4, 0.05)
+    q, s = quant_sym(w, 4, 32)
+    y = kernels.int8_linear_grouped_weight(t(x), t(q), t(s), 32)
+    xq, s_x = np_per_token_int8(x)
+    expected = sum((xq[:, g * 32:(g + 1) * 32] @ q[:, g * 32:(g + 1) * 32].astype(np.int64).T) * s[:, g].astype(
+        np.float64) for g in range(4)) * s_x.astype(np.float64)[:, None]
+    assert rel(y.numpy(), expected) < 1e-6
+
+
+def test_int4pack_conversion_asymmetric():
+    w, x = gaussian((32, 256), 5, 0.05), gaussian((3, 256), 6)
+    q, s, zp = quant_asym(w, 4, 64)
+    group = kernels.int4pack_group_size(32, 256, 64)
+    packed, scale_zeros = kernels.prepare_int4pack(t(q), t(s), t(zp).float(), group)
+    y = kernels.weight_int4_linear(t(x), packed, group, scale_zeros)
+    w_deq = (q.astype(np.float64) - np.repeat(zp, 64, 1)) * np.repeat(s, 64, 1)
+    assert rel(y.numpy(), x.astype(np.float64) @ w_deq.T) < 1e-5
+
+
+def test_int4pack_group_rules_and_path_switch():
+    assert kernels.int4pack_group_size(64, 576, 576) == 64  # channel scales split into supported groups
+    assert kernels.int4pack_group_size(64, 512, 128) == 128
+    assert kernels.int4pack_group_size(36, 512, 128) is None  # N % 16
+    assert kernels.int4pack_group_size(64, 512, 16) is None
+    limit = kernels.WEIGHT_ONLY_PACKED_MAX_M
+    assert kernels.weight_only_path(1) == "packed" and kernels.weight_only_path(limit) == "packed"
+    assert kernels.weight_only_path(limit + 1) == "dense"
+
+
+def test_dense_cache_builds_once_per_dtype():
+    w, x = gaussian((48, 64), 7), gaussian((4, 64), 8)
+    calls = []
+
+    def build() -> torch.Tensor:
+        calls.append(1)
+        return t(w)
+
+    cache = kernels.DenseWeightCache(build)
+    for _ in range(2):
+        y = cache.linear(t(x).bfloat16())
+    assert len(calls) == 1
+    assert rel(y.float().numpy(), F.linear(t(x).bfloat16(), t(w).bfloat16()).float().numpy()) < 1e-2
+    assert rel(cache.linear(t(x)).numpy(), x.astype(np.float64) @ w.T.astype(np.float64)) < 1e-6
+
+
+def test_reference_env_switch(monkeypatch):
+    q, s = quant_sym(gaussian((32, 64), 9, 0.05), 8)
+    layer = ReplicatedLinear(64, 32, bias=False, params_dtype=torch.float32,
+                             quant_config=SpecConfig(QuantSpec("W8A16")))
+    load(layer, {"weight": t(q), "weight_scale": t(s), "weight_offset": torch.zeros(32, 1)})
+    finish(layer)
+    x = t(gaussian((1, 64), 10)).bfloat16()
+    reference = layer.quant_method.apply_reference(layer, x)
+    assert not torch.equal(layer(x), reference)  # int8pack kernel accumulates differently
+    monkeypatch.setenv(kernels.REFERENCE_ENV, "1")
+    assert torch.equal(layer(x), reference)

@@ -1,0 +1,151 @@
+"""W8A16 / W4A16 / W4A8_DYNAMIC / W8A8FP8_DYNAMIC linear schemes: fast paths (int8pack / int4pack for decode-sized
+M, dequantize-once for prefill, _int_mm for W4A8) against the scheme reference and numpy float64 formulas of spec §2
+written here; compressed-tensors' packer as the checkpoint writer; scheme-level error vs fp32 (spec §9.1 x 1.5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32 as ct_pack
+
+from ascent.layers.linear import ReplicatedLinear
+from ascent.quantization.base import QuantSpec
+from tests.unit.quant.scheme_utils import (
+    TABLE_91,
+    SpecConfig,
+    finish,
+    gaussian,
+    load,
+    np_per_token_int8,
+    quant_asym,
+    quant_sym,
+    rel,
+    t,
+)
+
+M, K, N = 128, 512, 512
+
+
+def build(spec: QuantSpec, ck: dict[str, np.ndarray | torch.Tensor], bias: np.ndarray | None = None):
+    layer = ReplicatedLinear(K, N, bias=bias is not None, params_dtype=torch.float32, quant_config=SpecConfig(spec))
+    load(layer, {k: v if isinstance(v, torch.Tensor) else t(v) for k, v in ck.items()})
+    if bias is not None:
+        layer.bias.data.copy_(t(bias))
+    return finish(layer)
+
+
+def check_paths(layer, x: np.ndarray, expected: np.ndarray, fp32_err: float, table_err: float | None,
+                w: np.ndarray | None = None, b: np.ndarray | None = None) -> None:
+    """Decode-sized (M=1) and prefill-sized (M=128) fast paths vs the reference and the numpy formula."""
+    method, bias = layer.quant_method, layer.bias
+    for rows in (slice(0, 1), slice(0, M)):
+        xs = t(x[rows])
+        y = layer(xs).numpy()
+        assert rel(y, method.apply_reference(layer, xs, bias).numpy()) < fp32_err
+        assert rel(y, expected[rows]) < fp32_err
+        xb = xs.bfloat16()
+        assert rel(layer(xb).float(), method.apply_reference(layer, xb, bias).float()) < 1e-2
+    if table_err is not None:
+        y_fp = x.astype(np.float64) @ w.T.astype(np.float64) + (b if b is not None else 0)
+        assert rel(layer(t(x)).numpy(), y_fp) < 1.5 * table_err
+
+
+def test_w8a16_per_channel_symmetric():
+    w, x, b = gaussian((N, K), 0, 0.02), gaussian((M, K), 1), gaussian((N,), 2, 0.1)
+    q, s = quant_sym(w, 8)
+    layer = build(QuantSpec("W8A16"), {"weight": q, "weight_scale": s, "weight_offset": np.zeros_like(s)}, b)
+    assert layer.wo_packed is not None
+    expected = x.astype(np.float64) @ (q.astype(np.float64) * s).T + b
+    check_paths(layer, x, expected, 1e-5, TABLE_91["W8A16"], w, b)
+
+
+def test_w8a16_per_group_asymmetric_subtractive_offset():
+    w, x = gaussian((N, K), 3, 0.02) + 0.01, gaussian((M, K), 4)
+    q, s, zp = quant_asym(w, 8, 128)
+    spec = QuantSpec("W8A16", weight_strategy="group", group_size=128, weight_symmetric=False)
+    layer = build(spec, {"weight": q, "weight_scale": s, "weight_offset": zp.astype(np.float32)})
+    assert layer.wo_packed is None  # int8pack takes per-channel symmetric only
+    w_deq = (q.astype(np.float64) - np.repeat(zp, 128, 1)) * np.repeat(s, 128, 1)
+    check_paths(layer, x, x.astype(np.float64) @ w_deq.T, 1e-5, TABLE_91["W8A16"], w)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w4a16_pack_quantized(symmetric):
+    w, x, b = gaussian((N, K), 5, 0.02), gaussian((M, K), 6), gaussian((N,), 7, 0.1)
+    if symmetric:
+        q, s = quant_sym(w, 4, 128)
+        zp = np.zeros_like(s, dtype=np.int8)
+    else:
+        q, s, zp = quant_asym(w, 4, 128)
+    ck = {"weight_packed": ct_pack(t(q), 4, 1), "weight_scale": s, "weight_shape": np.array([N, K])}
+    if not symmetric:
+        ck["weight_zero_point"] = ct_pack(t(zp), 4, 0)
+    spec = QuantSpec("W4A16", source_format="compressed-tensors", weight_bits=4, weight_strategy="group",
+                     group_size=128, weight_symmetric=symmetric)
+    layer = build(spec, ck, b)
+    assert layer.wo_packed is not None and layer.wo_packed[2] == 128
+    w_deq = (q.astype(np.float64) - np.repeat(zp, 128, 1)) * np.repeat(s, 128, 1)
+    check_paths(layer, x, x.astype(np.float64) @ w_deq.T + b, 1e-5, TABLE_91["W4A16_g128"], w, b)
+
+
+def test_w4a16_modelslim_one_int4_per_byte():
+    w, x = gaussian((N, K), 8, 0.02), gaussian((M, K), 9)
+    q, s = quant_sym(w, 4, 64)
+    spec = QuantSpec("W4A16", weight_bits=4, weight_strategy="group", group_size=64)
+    layer = build(spec, {"weight": q, "weight_scale": s, "weight_offset": np.zeros_like(s)})
+    w_deq = q.astype(np.float64) * np.repeat(s, 64, 1)
+    check_paths(layer, x, x.astype(np.float64) @ w_deq.T, 1e-5, None)
+    bad = q.copy()
+    bad[0, 0] = 9
+    with pytest.raises(ValueError, match="outside"):
+        build(spec, {"weight": bad, "weight_scale": s, "weight_offset": np.zeros_like(s)})
+
+
+def np_pairs(q: np.ndarray) -> np.ndarray:
+    """Independent ModelSlim pair packing along rows: low nibble = even row."""
+    lo, hi = q[0::2].astype(np.int16) & 0xF, q[1::2].astype(np.int16) & 0xF
+    return (lo | (hi << 4)).astype(np.uint8).view(np.int8)
+
+
+def test_w4a8_modelslim_pairs_and_scale_bias():
+    w, x, b = gaussian((N, K), 10, 0.02), gaussian((M, K), 11), gaussian((N,), 12, 0.1)
+    q, s = quant_sym(w, 4)
+    scale_bias = (8.0 * q.astype(np.float64).sum(1, keepdims=True) * s).astype(np.float32)
+    ck = {"weight": np_pairs(q), "weight_scale": s, "weight_offset": np.zeros_like(s), "scale_bias": scale_bias}
+    layer = build(QuantSpec("W4A8_DYNAMIC", weight_bits=4), ck, b)
+    assert torch.equal(layer.w4a8_q, t(q))
+    xq, s_x = np_per_token_int8(x)
+    expected = (xq @ q.astype(np.int64).T) * s_x.astype(np.float64)[:, None] * s.astype(np.float64).T + b
+    check_paths(layer, x, expected, 1e-5, TABLE_91["W4A8"], w, b)
+    with pytest.raises(ValueError, match="scale_bias"):
+        build(QuantSpec("W4A8_DYNAMIC", weight_bits=4), dict(ck, scale_bias=scale_bias * 1.5))
+
+
+@pytest.mark.parametrize("group", [None, 128])
+def test_w4a8_compressed_tensors(group):
+    w, x = gaussian((N, K), 13, 0.02), gaussian((M, K), 14)
+    q, s = quant_sym(w, 4, group)
+    spec = QuantSpec("W4A8_DYNAMIC", source_format="compressed-tensors", weight_bits=4,
+                     weight_strategy="group" if group else "channel", group_size=group)
+    layer = build(spec, {"weight": q, "weight_scale": s})
+    xq, s_x = np_per_token_int8(x)
+    g = group or K
+    acc = np.stack([xq[:, i * g:(i + 1) * g] @ q[:, i * g:(i + 1) * g].astype(np.int64).T
+                    for i in range(K // g)], axis=-1)  # exact per-group int products [M, N, G]
+    expected = s_x.astype(np.float64)[:, None] * (acc * s.astype(np.float64)[None]).sum(-1)
+    check_paths(layer, x, expected, 1e-5, TABLE_91["W4A8"] if group is None else None, w)
+
+
+def test_fp8_dynamic():
+    w, x, b = gaussian((N, K), 15, 0.02), gaussian((M, K), 16), gaussian((N,), 17, 0.1)
+    wt = torch.from_numpy(w).double()
+    s_w = (wt.abs().amax(1, keepdim=True) / 448.0).float()
+    wf = (wt / s_w.double()).clamp(-448, 448).to(torch.float8_e4m3fn)
+    layer = build(QuantSpec("W8A8FP8_DYNAMIC", source_format="compressed-tensors", weight_type="float"),
+                  {"weight": wf, "weight_scale": s_w}, b)
+    xt = torch.from_numpy(x)
+    s_x = xt.abs().amax(1, keepdim=True) / 448.0
+    xf = (xt / s_x).clamp(-448, 448).to(torch.float8_e4m3fn)
+    expected = (xf.double() @ wf.double().t()) * s_x.double() * s_w.double().t() + torch.from_numpy(b).double()
+    check_paths(layer, x, expected.numpy(), 1e-5, TABLE_91["FP8"], w, b)
