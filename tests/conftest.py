@@ -31,3 +31,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip_slow)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_hardware_profile():
+    """Engines set the process-wide hardware profile at start; restore it after each test module so a module that
+    ran a 310p / a5 engine does not change what later modules' directly built layers see."""
+    from ascent.platform.device_config import set_current_profile
+
+    previous = set_current_profile(None)
+    set_current_profile(previous)
+    yield
+    set_current_profile(previous)

@@ -68,7 +68,7 @@ def float_model():
     return load_float_model(None, "bfloat16")
 
 
-@pytest.mark.slow
+# ~70 s per scheme on a loaded 2-core box: part of the default run (the suite stays well inside its budget)
 @pytest.mark.parametrize("scheme", ["w8a16", "w8a8_dynamic"])
 def test_quantized_smollm2_generates_like_bf16(tmp_path, baseline, float_model, scheme):
     out = tmp_path / scheme
