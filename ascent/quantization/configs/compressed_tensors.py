@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 
 from ascent.quantization.base import QuantizationConfig, QuantSpec
 from ascent.quantization.configs.modelslim_mapping import (
-    model_class_packed_mapping,
     packed_modules_for,
+    packed_modules_of_config,
     replace_last_component,
 )
 from ascent.quantization.registry import DEFAULT_REGISTRY, SchemeRegistry
@@ -151,8 +151,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         qc = load_hf_quant_config(model_dir, hf_config)
         if not qc or qc.get("quant_method") != "compressed-tensors":
             raise ValueError(f"{model_dir!r}: config.json has no compressed-tensors quantization_config")
-        model_type = getattr(hf_config, "model_type", None)
-        return cls(qc, packed_modules_for(model_type, model_class_packed_mapping(hf_config)))
+        return cls(qc, packed_modules_of_config(hf_config))
 
     def checkpoint_names(self, prefix: str, layer_type: str) -> list[str]:
         """Checkpoint module names of an engine layer (shards of fused layers; expert 0 of a MoE layer)."""

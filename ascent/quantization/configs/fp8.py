@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 from ascent.quantization.base import QuantizationConfig, QuantSpec
 from ascent.quantization.configs.compressed_tensors import load_hf_quant_config
 from ascent.quantization.configs.modelslim_mapping import (
-    model_class_packed_mapping,
     packed_modules_for,
+    packed_modules_of_config,
     replace_last_component,
 )
 from ascent.quantization.registry import DEFAULT_REGISTRY, SchemeRegistry
@@ -79,8 +79,7 @@ class Fp8Config(QuantizationConfig):
         qc = load_hf_quant_config(model_dir, hf_config)
         if not qc or qc.get("quant_method") != "fp8":
             raise ValueError(f"{model_dir!r}: config.json has no fp8 quantization_config")
-        model_type = getattr(hf_config, "model_type", None)
-        return cls(qc, packed_modules_for(model_type, model_class_packed_mapping(hf_config)))
+        return cls(qc, packed_modules_of_config(hf_config))
 
     def get_spec(self, prefix: str, layer_type: str) -> QuantSpec | None:
         if layer_type in ("attention", "embedding"):

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from ascent.quantization.base import QuantizationConfig, QuantSpec
 from ascent.quantization.configs.compressed_tensors import load_hf_quant_config
 from ascent.quantization.configs.fp8 import all_or_none, expand_fused
-from ascent.quantization.configs.modelslim_mapping import model_class_packed_mapping, packed_modules_for
+from ascent.quantization.configs.modelslim_mapping import packed_modules_for, packed_modules_of_config
 from ascent.quantization.registry import DEFAULT_REGISTRY, SchemeRegistry
 
 MODELOPT_METHODS = ("modelopt", "modelopt_mxfp8", "mxfp8")
@@ -69,8 +69,7 @@ class ModelOptMxfp8Config(QuantizationConfig):
         if qc is None:
             raise ValueError(f"{model_dir!r}: no ModelOpt MXFP8 quantization config (config.json "
                              f"quantization_config or hf_quant_config.json)")
-        model_type = getattr(hf_config, "model_type", None)
-        return cls(qc, packed_modules_for(model_type, model_class_packed_mapping(hf_config)))
+        return cls(qc, packed_modules_of_config(hf_config))
 
     def get_spec(self, prefix: str, layer_type: str) -> QuantSpec | None:
         if layer_type == "attention" or any(m in prefix for m in VISION_MARKERS):

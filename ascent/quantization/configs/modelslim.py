@@ -31,8 +31,8 @@ from ascent.quantization.configs.modelslim_mapping import (
     first_layer_id,
     is_vision_prefix,
     lookup_candidates,
-    model_class_packed_mapping,
     packed_modules_for,
+    packed_modules_of_config,
     replace_last_component,
 )
 from ascent.quantization.configs.modelslim_specs import attention_spec, modelslim_spec
@@ -106,7 +106,7 @@ class ModelSlimConfig(QuantizationConfig):
         if not isinstance(description, dict):
             raise ValueError(f"ModelSlim description {str(path)!r} must be a JSON object")
         model_type = getattr(hf_config, "model_type", None) if hf_config is not None else None
-        packed = packed_modules_for(model_type, model_class_packed_mapping(hf_config))
+        packed = packed_modules_of_config(hf_config)
         return cls(description, model_type, packed, source=str(path))
 
     # -------------------------------------------------------------------------------------------- lookups

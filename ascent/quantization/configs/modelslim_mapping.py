@@ -118,6 +118,13 @@ def model_class_packed_mapping(hf_config: Any) -> dict[str, list[str]]:
     return dict(getattr(cls, "packed_modules_mapping", {}) or {})
 
 
+def packed_modules_of_config(hf_config: Any) -> dict[str, list[str]]:
+    """The fused-module mapping for the model ``hf_config`` describes: its ``model_type``'s table merged with the
+    engine model class's own ``packed_modules_mapping``."""
+    model_type = getattr(hf_config, "model_type", None) if hf_config is not None else None
+    return packed_modules_for(model_type, model_class_packed_mapping(hf_config))
+
+
 def lookup_candidates(model_type: str | None, key: str) -> list[str]:
     """Keys to try for ``key``: itself, the model's component renames, leading aliases, the lm_head alias."""
     candidates = [key]
