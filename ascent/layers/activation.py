@@ -6,11 +6,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ascent.layers.cpu_kernels import fused_ops
+
 
 class SiluAndMul(nn.Module):
-    """``x [..., 2d]`` -> ``silu(x[..., :d]) * x[..., d:]`` of shape ``[..., d]``."""
+    """``x [..., 2d]`` -> ``silu(x[..., :d]) * x[..., d:]`` of shape ``[..., d]`` (one C++ kernel on CPU when the
+    profile's fused kernels are available)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fused = fused_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None and x.dim() == 2 and x.device.type == "cpu" and x.stride(-1) == 1:
+            return self._fused.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ascent.layers.cpu_kernels import fused_ops
 from ascent.layers.linear import default_weight_loader, set_weight_attrs
 
 
@@ -28,6 +29,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
         self.register_parameter("bias", None)
+        self._fused = fused_ops()  # C++ kernels of the CPU profile (None: torch ops)
 
     def enable_bias(self) -> None:
         """Add a zero ``bias [hidden_size]`` (weight dtype/device) that checkpoints may provide (``quant_optional``)."""
@@ -42,9 +44,19 @@ class RMSNorm(nn.Module):
         y = F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
         return y if self.bias is None else y + self.bias
 
+    def _can_fuse(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        return (self._fused is not None and self.bias is None and x.dim() == 2 and x.device.type == "cpu"
+                and x.stride(-1) == 1 and x.dtype == self.weight.dtype
+                and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)))
+
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self._can_fuse(x, residual):
+            if residual is None:
+                return self._fused.rms_norm(x, self.weight, self.eps)
+            out, s = self._fused.add_rms_norm(x, residual, self.weight, self.eps)
+            return out, s
         if residual is None:
             return self._norm_bias(x)
         s = x + residual

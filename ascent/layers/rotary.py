@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ascent.layers.cpu_kernels import fused_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -140,7 +142,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         cache = self._build_cache(inv_freq, self.attention_factor, self.max_position)
         self.register_buffer("cos_sin_cache", cache.to(dtype or torch.get_default_dtype()), persistent=False)
-        self._step: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._step: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fused = fused_ops()
 
     def _build_cache(self, inv_freq: torch.Tensor, attention_factor: float, cache_len: int) -> torch.Tensor:
         freqs = torch.outer(torch.arange(cache_len, dtype=torch.float32), inv_freq)
@@ -167,25 +170,25 @@ class RotaryEmbedding(nn.Module):
         rotated = rot * cos + self._pair_swap(rot) * sin
         return torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1).view(num_tokens, -1)
 
-    def _gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1)
-        cos, sin = cos_sin.split(self.rotary_dim, dim=-1)
-        return cos, sin
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)``, each ``[T, 1, rotary_dim]``, for ``positions``; inside ``step_cache(positions)`` the
-        gather is done once and shared by every layer."""
+    def _rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[T, 2 * rotary_dim]`` cache rows of ``positions`` (expanded cos, then signed sin); inside
+        ``step_cache(positions)`` the gather is done once and shared by every layer."""
         cached = self._step
         if cached is not None and cached[0] is positions:
             return cached[1]
-        return self._gather(positions)
+        return self.cos_sin_cache.index_select(0, positions)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[T, 1, rotary_dim]``, for ``positions``."""
+        cos, sin = self._rows(positions).unsqueeze(1).split(self.rotary_dim, dim=-1)
+        return cos, sin
 
     @contextmanager
     def step_cache(self, positions: torch.Tensor) -> Iterator[None]:
         """Within the block, cos/sin of ``positions`` (this tensor object, whose contents must not change) are
         gathered once; a model forward wraps its layer loop in it. Nests (the outer cache is restored)."""
         previous = self._step
-        self._step = (positions, self._gather(positions))
+        self._step = (positions, self.cos_sin_cache.index_select(0, positions))
         try:
             yield
         finally:
@@ -202,6 +205,11 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``x [T, heads*head_size]`` in place (it may be a column slice of a wider row-major tensor, e.g.
         the q and k columns of a fused QKV output, so q and k rotate in one pass); returns ``x``. Same values as
         ``forward``."""
+        if self._fused is not None and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1:
+            rows = self._rows(positions)
+            if rows.dtype == x.dtype:
+                self._fused.rotary_(x, rows, self.head_size, self.rotary_dim, self.is_neox_style)
+                return x
         cos, sin = self.cos_sin(positions)
         heads = x.view(x.shape[0], -1, self.head_size)
         if self.rotary_dim < self.head_size:

@@ -1,0 +1,289 @@
+// Fused CPU kernels for the decode hot path (the CPU profile's RUNTIME_CUSTOM_OPS capability).
+//
+// Each kernel reproduces the rounding of the op-by-op torch path it replaces (fp32 arithmetic, one rounding to the
+// tensor dtype where torch rounds), so results equal the torch ops up to the summation order of a row reduction.
+// All tensors are CPU, row-major in their last dim; float32, bfloat16 and float16 are supported.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRowGrain = 16;  // rows per parallel chunk: small batches stay on the calling thread
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D [rows, cols], got ", t.dim(), "-D");
+  TORCH_CHECK(t.stride(1) == 1, name, " must be contiguous in its last dim");
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w over each row of s (fp32 statistics, one rounding), as F.rms_norm.
+template <typename T>
+void rms_norm_row(const T* s, const T* w, T* y, int64_t h, float eps) {
+  float acc = 0.f;
+  for (int64_t j = 0; j < h; ++j) {
+    const float v = static_cast<float>(s[j]);
+    acc += v * v;
+  }
+  const float r = 1.f / std::sqrt(acc / static_cast<float>(h) + eps);
+  for (int64_t j = 0; j < h; ++j) {
+    y[j] = static_cast<T>(static_cast<float>(s[j]) * r * static_cast<float>(w[j]));
+  }
+}
+
+// exp(x) for the SiLU: Cody-Waite reduction to r in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (relative
+// error < 2 ulp for x in [-87, 88]; inputs are clamped there, where silu is x or 0 to fp32 precision anyway).
+// Branch-free so the compiler vectorises the loop that calls it.
+inline float exp_approx(float x) {
+  x = std::fmin(std::fmax(x, -87.f), 88.f);
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest integer
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  const float p = 1.f + r * (1.f + r * (0.5f + r * (1.66666672e-1f + r * (4.16666679e-2f + r * (8.33333377e-3f +
+                  r * 1.38888892e-3f)))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+}  // namespace
+
+// out[T, H] = rms_norm(x) (new tensor).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [H] with x's dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t rows = x.size(0), h = x.size(1), xs = x.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) rms_norm_row(xp + i * xs, wp, op + i * h, h, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// (rms_norm(x + residual), x + residual): the sum is rounded to the dtype first, as torch's add would.
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                     double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "x and residual must have the same shape and dtype");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [H] with x's dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  auto sum = at::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t rows = x.size(0), h = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    scalar_t* sp = sum.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        scalar_t* srow = sp + i * h;
+        for (int64_t j = 0; j < h; ++j) {
+          srow[j] = static_cast<scalar_t>(static_cast<float>(xp[i * xs + j]) + static_cast<float>(rp[i * rs + j]));
+        }
+        rms_norm_row(srow, wp, op + i * h, h, static_cast<float>(eps));
+      }
+    });
+  });
+  return {out, sum};
+}
+
+// In place on x[T, heads * head_size] (a column slice of a wider row-major tensor is fine):
+// x' = round(round(x * cos) + round(swap(x) * sin)) on the first rotary_dim dims of every head, where
+// cos_sin[T, 2 * rotary_dim] holds the expanded cosines then the expanded, signed sines (RotaryEmbedding's cache
+// layout) and swap pairs (i, i + rotary_dim / 2) for NeoX style, (2i, 2i + 1) otherwise.
+void rotary_(at::Tensor& x, const at::Tensor& cos_sin, int64_t head_size, int64_t rotary_dim, bool neox) {
+  check_rows(x, "x");
+  check_rows(cos_sin, "cos_sin");
+  TORCH_CHECK(cos_sin.size(0) == x.size(0) && cos_sin.size(1) == 2 * rotary_dim, "cos_sin must be [T, 2*rotary_dim]");
+  TORCH_CHECK(cos_sin.scalar_type() == x.scalar_type(), "cos_sin must have x's dtype");
+  TORCH_CHECK(x.size(1) % head_size == 0 && rotary_dim <= head_size && rotary_dim % 2 == 0, "bad head/rotary dims");
+  const int64_t rows = x.size(0), heads = x.size(1) / head_size, xs = x.stride(0), cs = cos_sin.stride(0);
+  const int64_t half = rotary_dim / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* cp = cos_sin.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* cosr = cp + t * cs;
+        const scalar_t* sinr = cosr + rotary_dim;
+        for (int64_t hd = 0; hd < heads; ++hd) {
+          scalar_t* v = xp + t * xs + hd * head_size;
+          for (int64_t p = 0; p < half; ++p) {
+            const int64_t a = neox ? p : 2 * p, b = neox ? p + half : 2 * p + 1;
+            const float va = static_cast<float>(v[a]), vb = static_cast<float>(v[b]);
+            const float ca = static_cast<scalar_t>(va * static_cast<float>(cosr[a]));
+            const float cb = static_cast<scalar_t>(vb * static_cast<float>(cosr[b]));
+            const float sa = static_cast<scalar_t>(vb * static_cast<float>(sinr[a]));
+            const float sb = static_cast<scalar_t>(va * static_cast<float>(sinr[b]));
+            v[a] = static_cast<scalar_t>(ca + sa);
+            v[b] = static_cast<scalar_t>(cb + sb);
+          }
+        }
+      }
+    });
+  });
+}
+
+// out[T, d] = round(round(silu(x[:, :d])) * x[:, d:]) with silu in fp32 (exp_approx), as F.silu(a) * b.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "x's last dim must be even");
+  const int64_t rows = x.size(0), d = x.size(1) / 2, xs = x.stride(0);
+  auto out = at::empty({rows, d}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t* g = xp + i * xs;
+        for (int64_t j = 0; j < d; ++j) {
+          const float a = static_cast<float>(g[j]);
+          const float s = static_cast<scalar_t>(a / (1.f + exp_approx(-a)));
+          op[i * d + j] = static_cast<scalar_t>(s * static_cast<float>(g[d + j]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// kv_cache [2, S, W] (K plane, V plane; S = num_blocks * block_size, W = kv_heads * head_size): rows k[t] and v[t]
+// (each [T, W], row-strided views are fine) are copied to slot slots[t] of the K and V planes.
+void paged_kv_write(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+  check_rows(k, "k");
+  check_rows(v, "v");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 3 && kv_cache.size(0) == 2, "kv_cache must be [2, S, W]");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == kv_cache.size(2), "k/v must be [T, W] with the cache's W");
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type(),
+              "k/v must have the cache dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+              "slots must be int64 [T]");
+  const int64_t rows = k.size(0), w = k.size(1), plane = kv_cache.size(1) * w, num_slots = kv_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " out of range");
+  const size_t row_bytes = static_cast<size_t>(w) * kv_cache.element_size();
+  char* base = static_cast<char*>(kv_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t es = kv_cache.element_size();
+  for (int64_t t = 0; t < rows; ++t) {
+    std::memcpy(base + sp[t] * w * es, kp + t * k.stride(0) * es, row_bytes);
+    std::memcpy(base + (plane + sp[t] * w) * es, vp + t * v.stride(0) * es, row_bytes);
+  }
+}
+
+namespace {
+
+// One decode query row's heads of one KV head over keys [start, len): out = softmax(scale * q.K^T) V.
+template <typename T>
+void attend_kv_head(const T* q, const T* kbase, const T* vbase, const int64_t* slots, int64_t start, int64_t len,
+                    int64_t group, int64_t d, int64_t row_w, float scale, T* out, std::vector<float>& buf) {
+  const int64_t n = len - start;
+  buf.assign(static_cast<size_t>(group * (d + n + d)), 0.f);
+  float* qf = buf.data();             // [group, d] scaled queries
+  float* sc = qf + group * d;         // [group, n] scores, then probabilities
+  float* acc = sc + group * n;        // [group, d] output accumulators
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < d; ++c) qf[g * d + c] = static_cast<float>(q[g * d + c]) * scale;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* kr = kbase + slots[start + j] * row_w;
+    for (int64_t g = 0; g < group; ++g) {
+      float dot = 0.f;
+      for (int64_t c = 0; c < d; ++c) dot += qf[g * d + c] * static_cast<float>(kr[c]);
+      sc[g * n + j] = dot;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = sc + g * n;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) mx = std::fmax(mx, sg[j]);
+    float total = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      sg[j] = exp_approx(sg[j] - mx);
+      total += sg[j];
+    }
+    const float inv = 1.f / total;
+    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vr = vbase + slots[start + j] * row_w;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = sc[g * n + j];
+      float* a = acc + g * d;
+      for (int64_t c = 0; c < d; ++c) a[c] += p * static_cast<float>(vr[c]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < d; ++c) out[g * d + c] = static_cast<T>(acc[g * d + c]);
+}
+
+}  // namespace
+
+// Decode attention over a paged cache: q [n, heads * d] (row-strided views are fine); kv_cache [2, S, kv_heads, d];
+// slots int64 [n, L] (cache slot of each context position, L >= seq_lens[i]); seq_lens int64 [n] (>= 1); keys
+// [max(0, len - window), len) when window > 0, else [0, len). GQA: query head h uses KV head h / (heads / kv_heads).
+// Returns [n, heads * d] in q's dtype (fp32 softmax and accumulation).
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& slots,
+                                  const at::Tensor& seq_lens, int64_t num_heads, double scale, int64_t window) {
+  check_rows(q, "q");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 4 && kv_cache.size(0) == 2,
+              "kv_cache must be contiguous [2, S, kv_heads, d]");
+  TORCH_CHECK(kv_cache.scalar_type() == q.scalar_type(), "kv_cache must have q's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 2 &&
+                  slots.size(0) == q.size(0), "slots must be int64 [n, L]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.numel() == q.size(0),
+              "seq_lens must be int64 [n]");
+  const int64_t n = q.size(0), kv_heads = kv_cache.size(2), d = kv_cache.size(3), num_slots = kv_cache.size(1);
+  TORCH_CHECK(q.size(1) == num_heads * d && num_heads % kv_heads == 0, "q must be [n, heads * d]");
+  const int64_t group = num_heads / kv_heads, L = slots.size(1), row_w = kv_heads * d;
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= L, "seq_lens[", i, "] = ", lens[i], " outside [1, ", L, "]");
+    for (int64_t j = 0; j < lens[i]; ++j)
+      TORCH_CHECK(sp[i * L + j] >= 0 && sp[i * L + j] < num_slots, "slot out of range");
+  }
+  auto out = at::empty({n, num_heads * d}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kbase = kv_cache.data_ptr<scalar_t>();
+    const scalar_t* vbase = kbase + num_slots * row_w;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t qs = q.stride(0);
+    at::parallel_for(0, n * kv_heads, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf;
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t i = u / kv_heads, h = u % kv_heads;
+        const int64_t start = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0;
+        attend_kv_head(qp + i * qs + h * group * d, kbase + h * d, vbase + h * d, sp + i * L, start, lens[i], group,
+                       d, row_w, static_cast<float>(scale), op + i * num_heads * d + h * group * d, buf);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "rms_norm(x [T,H], weight [H], eps) -> [T,H]");
+  m.def("add_rms_norm", &add_rms_norm, "add_rms_norm(x, residual, weight, eps) -> [norm(x+residual), x+residual]");
+  m.def("rotary_", &rotary_, "rotary_(x [T, heads*head_size], cos_sin [T, 2*rd], head_size, rotary_dim, neox)");
+  m.def("paged_kv_write", &paged_kv_write, "paged_kv_write(kv_cache [2,S,W], k [T,W], v [T,W], slots [T])");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "paged_decode_attention(q [n, heads*d], kv_cache [2,S,kvh,d], slots [n,L], seq_lens [n], heads, scale, window)");
+  m.def("silu_and_mul", &silu_and_mul, "silu_and_mul(x [T, 2d]) -> [T, d]");
+}

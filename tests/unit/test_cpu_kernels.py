@@ -1,0 +1,128 @@
+"""The fused C++ CPU kernels against the torch op sequences they replace (and SDPA over explicit gathers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ascent.layers import cpu_kernels
+from ascent.layers.rotary import get_rope
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# fp32 results agree to rounding; half types to one ulp of the output (row reductions sum in another order)
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_kernels.fused_ops()
+    assert module is not None, "the CPU profile must build the fused kernels (a C++ compiler is a test requirement)"
+    return module
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_rms_norm_and_add_rms_norm_match_torch(ops, dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    wide = (torch.randn(rows, 200, generator=gen) * 3).to(dtype)
+    x = wide[:, 10:170]  # row-strided view
+    residual = torch.randn(rows, 160, generator=gen).to(dtype)
+    weight = (torch.randn(160, generator=gen) * 0.5 + 1).to(dtype)
+    _close(ops.rms_norm(x, weight, 1e-6), F.rms_norm(x, (160,), weight, 1e-6), dtype)
+    out, total = ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, x + residual)  # the sum is rounded exactly as torch's add
+    _close(out, F.rms_norm(x + residual, (160,), weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(ops, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(9, 2 * 300, generator=gen) * 4).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -1e-3]).to(dtype)  # exp clamping and tiny values
+    _close(ops.silu_and_mul(x), F.silu(x[:, :300]) * x[:, 300:], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("neox,rotary_dim", [(True, 32), (True, 16), (False, 32), (False, 16)])
+def test_rotary_in_place_equals_torch_rotation(ops, dtype, neox, rotary_dim):
+    head, tokens = 32, 6
+    rope = get_rope(head, rotary_dim, 512, {"rope_theta": 10000.0}, neox, dtype)
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(tokens, 7 * head, generator=gen).to(dtype)  # 4 q heads, 1 k head, then 2 heads untouched
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    want = qkv.clone()
+    q, k = rope(positions, want[:, : 4 * head], want[:, 4 * head : 5 * head])
+    want[:, : 4 * head], want[:, 4 * head : 5 * head] = q, k
+    rows = rope.cos_sin_cache.index_select(0, positions)
+    ops.rotary_(qkv[:, : 5 * head], rows, head, rotary_dim, neox)
+    _close(qkv, want, dtype)
+    assert torch.equal(qkv[:, 5 * head :], want[:, 5 * head :])
+
+
+def _paged_cache(dtype: torch.dtype, num_slots: int, kv_heads: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(2, num_slots, kv_heads, d, generator=gen).to(dtype)
+
+
+def _reference_decode(q, cache, slots, lens, heads, scale, window):
+    kv_heads, d = cache.shape[2], cache.shape[3]
+    outs = []
+    for i, length in enumerate(lens.tolist()):
+        start = max(0, length - window) if window else 0
+        idx = slots[i, start:length]
+        k = cache[0].index_select(0, idx).float().transpose(0, 1)  # [kvh, n, d]
+        v = cache[1].index_select(0, idx).float().transpose(0, 1)
+        qi = q[i].float().view(kv_heads, heads // kv_heads, d)
+        outs.append(F.scaled_dot_product_attention(qi, k, v, scale=scale).reshape(-1))
+    return torch.stack(outs).to(q.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,window", [(6, 2, 0), (4, 4, 0), (8, 1, 5)])
+def test_paged_decode_attention_matches_sdpa_over_gathered_keys(ops, dtype, heads, kv_heads, window):
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    d, num_slots, n = 16, 96, 4
+    cache = _paged_cache(dtype, num_slots, kv_heads, d, gen)
+    lens = torch.tensor([1, 7, 23, 40])
+    slots = torch.stack([torch.randperm(num_slots, generator=gen)[:40] for _ in range(n)])  # scattered slots
+    wide = torch.randn(n, heads * d + 8, generator=gen).to(dtype)
+    q = wide[:, : heads * d]  # row-strided view, as a slice of a fused QKV output
+    got = ops.paged_decode_attention(q, cache, slots, lens, heads, d**-0.5, window)
+    _close(got, _reference_decode(q, cache, slots, lens, heads, d**-0.5, window), dtype)
+
+
+def test_paged_decode_attention_rejects_bad_lengths_and_slots(ops):
+    cache = torch.zeros(2, 8, 1, 4)
+    q = torch.zeros(1, 4)
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        ops.paged_decode_attention(q, cache, torch.zeros(1, 3, dtype=torch.int64), torch.tensor([4]), 1, 1.0, 0)
+    with pytest.raises(RuntimeError, match="slot"):
+        ops.paged_decode_attention(q, cache, torch.tensor([[0, 9]]), torch.tensor([2]), 1, 1.0, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_kv_write_scatters_rows_to_slots(ops, dtype):
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.zeros(2, 20, 12, dtype=dtype)
+    kv = torch.randn(3, 30, generator=gen).to(dtype)
+    k, v = kv[:, 2:14], kv[:, 14:26]  # adjacent column blocks of one tensor, row-strided
+    slots = torch.tensor([7, 0, 19])
+    ops.paged_kv_write(cache, k, v, slots)
+    assert torch.equal(cache[0, slots], k) and torch.equal(cache[1, slots], v)
+    untouched = torch.ones(20, dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache[:, untouched].any()
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.paged_kv_write(cache, k, v, torch.tensor([1, 2, 20]))
+
+
+def test_fused_ops_switch_off_by_environment(monkeypatch):
+    monkeypatch.setenv("ASCENT_CPU_FUSED_OPS", "0")
+    assert cpu_kernels.fused_ops() is None
+    monkeypatch.setenv("ASCENT_CPU_FUSED_OPS", "1")
+    assert cpu_kernels.fused_ops() is not None
