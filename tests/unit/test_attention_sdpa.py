@@ -137,3 +137,31 @@ def test_decode_paths_are_bitwise_equal(monkeypatch: pytest.MonkeyPatch, single_
     for i, (c, _) in enumerate(reqs):
         expected = reference(q[i : i + 1], full_k[i], full_v[i], c, HEAD**-0.5, None)
         assert (out[i : i + 1].double() - expected).abs().max() <= 3e-2 * max(1.0, expected.abs().max())
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_batched_short_queries_match_per_request_path(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+    """Short cached-prefix queries (speculative verification) run as one batched call; the result equals the
+    per-request path (batching disabled) to rounding, and the float64 reference."""
+    import ascent.attention.backends.sdpa as sdpa
+
+    rng = np.random.default_rng(5)
+    reqs = [(11, 4), (5, 1), (9, 2), (0, 6), (17, 4), (2, 3)]
+    gen = torch.Generator().manual_seed(5)
+    common, cache, q, k_new, v_new, full_k, full_v = make_paged_case(
+        reqs, torch.float32, 2, rng, gen, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS,
+        num_heads=NUM_HEADS, head=HEAD, sentinel=SENTINEL)
+    impl = SDPABackend.get_impl_cls()(NUM_HEADS, HEAD, HEAD**-0.5, NUM_KV_HEADS, sliding_window=window)
+    metadata = SDPABackend.get_builder_cls()().build(common)
+    assert metadata.multi is not None and metadata.multi.n == 4 and metadata.multi.q_max == 4
+    assert [p.num_computed for p in metadata.prefills] == [0]
+    out = impl.forward(q, k_new, v_new, cache.clone(), metadata)
+    monkeypatch.setattr(sdpa, "MULTI_QUERY_MAX_LEN", 1)
+    per_request = SDPABackend.get_builder_cls()().build(common)
+    assert per_request.multi is None and len(per_request.prefills) == 5
+    expected_all = impl.forward(q, k_new, v_new, cache.clone(), per_request)
+    torch.testing.assert_close(out, expected_all, rtol=1e-5, atol=1e-5)
+    qsl = common.query_start_loc_np
+    for i, (c, _) in enumerate(reqs):
+        expected = reference(q[qsl[i]: qsl[i + 1]], full_k[i], full_v[i], c, HEAD**-0.5, window)
+        assert (out[qsl[i]: qsl[i + 1]].double() - expected).abs().max() <= 2e-5 * max(1.0, expected.abs().max())

@@ -8,7 +8,11 @@ dtype. Each step:
   the query-length axis so GQA needs no K/V repetition;
 - prefill requests (query length > 1) run one SDPA call each: with no cached prefix, ``is_causal=True`` on the fresh
   K/V; otherwise over the full context gathered from the cache with a bottom-right aligned causal mask (query i
-  sees keys ``0 .. num_computed + i``). Covers prefix-cache hits, chunked prefill and speculative verification.
+  sees keys ``0 .. num_computed + i``). Covers prefix-cache hits, chunked prefill and speculative verification;
+- short multi-token queries on a cached prefix (``2 <= q_len <= MULTI_QUERY_MAX_LEN``, e.g. speculative verification
+  of ``k + 1`` tokens), when there are at least two such requests, run in ONE SDPA call like decodes: queries padded
+  to the longest (padding repeats the last query row; its output is dropped), the query heads of a KV head and the
+  query positions folded into one axis, and a per-request causal + key-padding mask.
 Gather indices and masks are built once per step by the metadata builder and shared by all layers.
 """
 
@@ -26,10 +30,44 @@ from ascent.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from ascent.layers.cpu_kernels import fused_ops
 
 
 # Decode contexts up to this many cache rows (summed over the batch) are gathered with one index_select for K and V.
 SINGLE_GATHER_MAX_ROWS = 1024
+# Cached-prefix queries up to this many tokens are batched into one SDPA call (see the module docstring).
+MULTI_QUERY_MAX_LEN = 16
+
+
+@dataclass
+class SDPAMultiQuery:
+    """Batched short queries on cached prefixes (``n`` requests, queries padded to ``q_max``).
+
+    rows: int64 ``[n * q_max]`` token rows (padding repeats the request's last row); valid: int64 indices of the real
+    queries in that flattened order; out_rows: int64 their token rows; slots: int64 ``[n, l_max]`` cache slots
+    (padding repeats a valid slot); q_pos: int64 ``[n, q_max, 1]`` query positions; mask: bool ``[n, q_max, l_max]``.
+    """
+
+    n: int
+    q_max: int
+    rows: torch.Tensor
+    valid: torch.Tensor
+    out_rows: torch.Tensor
+    slots: torch.Tensor
+    q_pos: torch.Tensor
+    mask: torch.Tensor
+    _folded: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
+
+    def folded_mask(self, group: int, window: int | None) -> torch.Tensor:
+        """bool ``[n, 1, q_max * group, l_max]`` (query i's ``group`` heads share its row), optional window."""
+        key = (group, window)
+        if key not in self._folded:
+            mask = self.mask
+            if window is not None:
+                k_pos = torch.arange(mask.shape[2], device=mask.device).view(1, 1, -1)
+                mask = mask & (k_pos > self.q_pos - window)
+            self._folded[key] = mask.repeat_interleave(group, dim=1).unsqueeze(1)
+        return self._folded[key]
 
 
 @dataclass
@@ -69,6 +107,7 @@ class SDPAMetadata:
     decode_mask: torch.Tensor | None
     decode_seq_lens: torch.Tensor | None
     prefills: list[SDPAPrefill]
+    multi: SDPAMultiQuery | None = None
     _window_masks: dict[int, tuple[torch.Tensor | None, list[torch.Tensor]]] = field(default_factory=dict)
 
     def window_masks(self, window: int) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -137,9 +176,37 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
                           None, [])
         if len(decode_idx):
             self._plan_decodes(md, common, decode_idx, qsl, seq_lens)
-        for i in np.flatnonzero(query_lens > 1):
+        multi = np.flatnonzero((query_lens > 1) & (query_lens <= MULTI_QUERY_MAX_LEN) & (computed > 0))
+        if len(multi) >= 2:
+            md.multi = self._plan_multi(common, multi, qsl, seq_lens, computed)
+        else:
+            multi = multi[:0]
+        for i in np.setdiff1d(np.flatnonzero(query_lens > 1), multi):
             md.prefills.append(self._plan_prefill(common, int(i), qsl, seq_lens, computed))
         return md
+
+    @staticmethod
+    def _plan_multi(common: CommonAttentionMetadata, idx: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray,
+                    computed: np.ndarray) -> SDPAMultiQuery:
+        device = common.block_table.device
+        q_lens = qsl[idx + 1] - qsl[idx]
+        n, q_max = len(idx), int(q_lens.max())
+        offs = np.minimum(np.arange(q_max)[None, :], (q_lens - 1)[:, None])  # [n, q_max], padding -> last query
+        rows = qsl[idx][:, None] + offs
+        q_pos = computed[idx][:, None] + offs
+        flat_valid = np.flatnonzero(np.arange(q_max)[None, :] < q_lens[:, None])
+        lens = seq_lens[idx]
+        l_max = int(lens.max())
+        table = common.block_table.index_select(0, torch.from_numpy(idx).to(device))
+        slots = _context_slots(table, common.block_size, l_max)
+        if int(lens.min()) < l_max:
+            pad = torch.arange(l_max, device=device).unsqueeze(0) < torch.from_numpy(lens).to(device).unsqueeze(1)
+            slots = torch.where(pad, slots, slots[:, :1])
+        q_pos_t = torch.from_numpy(q_pos).to(device).unsqueeze(2)
+        mask = torch.arange(l_max, device=device).view(1, 1, -1) <= q_pos_t
+        return SDPAMultiQuery(n, q_max, torch.from_numpy(rows.reshape(-1)).to(device),
+                              torch.from_numpy(flat_valid).to(device),
+                              torch.from_numpy(rows.reshape(-1)[flat_valid]).to(device), slots, q_pos_t, mask)
 
     @staticmethod
     def _plan_decodes(md: SDPAMetadata, common: CommonAttentionMetadata, decode_idx: np.ndarray, qsl: np.ndarray,
@@ -184,7 +251,16 @@ def _adjacent_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
 
 
 class SDPAImpl(AttentionImpl):
-    """See the module docstring; optional ``sliding_window`` (keys with ``pos - key < window``) is honoured."""
+    """See the module docstring; optional ``sliding_window`` (keys with ``pos - key < window``) is honoured.
+
+    With the CPU profile's fused kernels, the KV write and decode attention run as one C++ call each on CPU
+    (``paged_kv_write``, ``paged_decode_attention``: fp32 softmax over the request's own slots, no gather/padding).
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window)
+        self._fused = fused_ops()
 
     def forward(
         self,
@@ -218,6 +294,9 @@ class SDPAImpl(AttentionImpl):
                 out.index_copy_(0, attn_metadata.decode_rows, o)
             else:
                 out[attn_metadata.decode_start : attn_metadata.decode_start + attn_metadata.num_decodes] = o
+        if attn_metadata.multi is not None:
+            mq = attn_metadata.multi
+            out.index_copy_(0, mq.out_rows, self._multi(q, kv_cache, mq))
         for p, mask in zip(attn_metadata.prefills, prefill_masks):
             rows = slice(p.start, p.end)
             if p.context_slots is None:
@@ -238,6 +317,10 @@ class SDPAImpl(AttentionImpl):
         elif k.shape[0] != md.write_slots.shape[0]:
             k, v = k[: md.write_slots.shape[0]], v[: md.write_slots.shape[0]]
         planes = kv_cache.view(2, -1, width)
+        if (self._fused is not None and kv_cache.device.type == "cpu" and k.dtype == kv_cache.dtype
+                and v.dtype == kv_cache.dtype and k.stride(-1) == 1 and v.stride(-1) == 1):
+            self._fused.paged_kv_write(planes, k, v, md.write_slots)
+            return
         pair = _adjacent_pair(k, v)
         if pair is not None and pair.dtype == kv_cache.dtype:
             planes.index_copy_(1, md.write_slots, pair)
@@ -254,10 +337,25 @@ class SDPAImpl(AttentionImpl):
             qd = q.index_select(0, md.decode_rows)
         else:
             qd = q[md.decode_start : md.decode_start + n]
+        if self._fused is not None and q.device.type == "cpu" and kv_cache.dtype == q.dtype and qd.stride(-1) == 1:
+            cache = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
+            return self._fused.paged_decode_attention(qd, cache, md.decode_slots, md.decode_seq_lens, self.num_heads,
+                                                      self.scale, self.sliding_window or 0)
         qd = qd.reshape(n, self.num_kv_heads, group, self.head_size)
         k, v = self._gather_context(kv_cache, md.decode_slots)
         o = F.scaled_dot_product_attention(qd, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale)
         return o.reshape(n, self.num_heads * self.head_size)
+
+    def _multi(self, q: torch.Tensor, kv_cache: torch.Tensor, mq: SDPAMultiQuery) -> torch.Tensor:
+        """Batched short cached-prefix queries: ``[num valid queries, nh*d]`` in ``mq.out_rows`` order."""
+        group = self.num_heads // self.num_kv_heads
+        qm = q.index_select(0, mq.rows).view(mq.n, mq.q_max, self.num_kv_heads, group, self.head_size)
+        qm = qm.permute(0, 2, 1, 3, 4).reshape(mq.n, self.num_kv_heads, mq.q_max * group, self.head_size)
+        k, v = self._gather_context(kv_cache, mq.slots)
+        o = F.scaled_dot_product_attention(qm, k.to(q.dtype), v.to(q.dtype),
+                                           attn_mask=mq.folded_mask(group, self.sliding_window), scale=self.scale)
+        o = o.view(mq.n, self.num_kv_heads, mq.q_max, group, self.head_size).permute(0, 2, 1, 3, 4)
+        return o.reshape(mq.n * mq.q_max, self.num_heads * self.head_size).index_select(0, mq.valid)
 
     def _gather_context(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the cache slots ``[n, L]`` as ``[n, num_kv_heads, L, head_size]`` views. Small contexts
