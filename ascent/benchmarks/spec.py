@@ -1,24 +1,35 @@
-"""``ascent bench spec``: speculative decoding (model-free proposers) against no speculation, same process.
+"""``ascent bench spec``: speculative decoding proposers against no speculation, in the same process.
 
-Two locally generated chat workloads (no downloads), tokenized with the model's own tokenizer and chat template:
+Workloads (:mod:`ascent.benchmarks.spec_workloads`): ``repetitive`` (code edits, re-asked structured answers, "repeat
+this paragraph": greedy output copies the input) and ``non_repetitive`` (varied questions).
 
-- ``repetitive``: code-edit style prompts (a code snippet or JSON record to return with a small edit), structured
-  answers re-asked in a follow-up turn and "repeat this paragraph" requests; greedy decoding tends to copy the input,
-  which is where prompt-lookup (n-gram) and suffix drafting find matches;
-- ``non_repetitive``: varied natural-language questions.
+Methods: the model-free ``ngram`` and ``suffix``, and ``draft_model`` drafting with the target truncated to its first
+``--draft-num-layers`` layers (the ``draft_num_layers`` extension key: no second checkpoint needed, weights shared).
+``name+dynamic`` runs a method with ``dynamic: true`` and ``--dynamic-params`` (per-request draft lengths from
+acceptance statistics; requests whose drafts keep being rejected drop to 0 drafts and are re-probed).
+EAGLE / EAGLE-3 / Medusa / MTP are not benchmarked: they need trained draft heads for the target, which do not exist
+for the default model (random heads would only measure rejection overhead).
 
-One engine per configuration (no speculation first, then each method) with identical engine settings; each engine gets
-a warmup generate on separate prompts, then one timed greedy ``generate`` per workload (repetitive first, so the suffix
-global tree has seen the warmup and repetitive responses when the second workload runs, as in a serving process).
-Per method and workload: mean acceptance length (1 + accepted / drafts), acceptance rate (accepted / draft tokens),
-per-position acceptance rates (accepted at position i / drafts; non-increasing since acceptance is a prefix), output
-tok/s and its ratio to no speculation, and whether the greedy outputs equal the outputs without speculation.
+One engine per configuration (no speculation plus each method), all built and warmed up first; then ``--rounds``
+rounds, each on freshly generated prompts (seed + round), run every engine on each workload back to back (the engine
+order rotates per round), so slow phases of a shared machine hit every engine alike. ``--max-concurrency`` caps the
+running requests (the engine's ``max_num_seqs``): 1 = single stream, where a decode step is memory-bound and
+speculation pays; larger batches make the verification of extra tokens cost real compute.
+Per method and workload: mean acceptance length (1 + accepted / drafts), acceptance rate, per-position acceptance
+(accepted at position i / drafts), output tok/s (all rounds), the speed ratio to no speculation (median of the
+per-round ratios; ``speedup_aggregate``: ratio of the all-round throughputs; ``speedup_cpu_time``: the same median
+on tokens per CPU second of this process, less sensitive to other load on a shared machine) and whether greedy
+outputs equal the outputs without speculation (bf16 verification of k + 1 positions rounds differently from 1-token
+decoding, so near-ties can flip there; float32 is exact).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,36 +37,21 @@ import numpy as np
 
 from ascent.benchmarks.common import Timer, collect_env, dtype_name, pin_threads, safe_ratio, write_json
 from ascent.benchmarks.datasets import BenchRequest, length_summary
+from ascent.benchmarks.spec_workloads import (WORKLOADS, build_workloads, non_repetitive_conversations,
+                                              repetitive_conversations)
 
-WORKLOADS = ("repetitive", "non_repetitive")
+logger = logging.getLogger(__name__)
+
+__all__ = ["non_repetitive_conversations", "repetitive_conversations", "run_spec", "SpecCounts"]
+
 WARMUP_PROMPTS = 2
 WARMUP_TOKENS = 8
 NO_SPEC = "none"
-
-_NAMES = ("values", "items", "records", "scores", "prices", "events", "rows", "weights", "samples", "orders")
-_VARS = ("total", "count", "result", "acc", "best", "limit", "offset", "factor", "step", "window")
-_FUNCS = ("summarize", "filter_rows", "normalize", "accumulate", "rank_items", "merge_counts", "clip_values",
-          "moving_sum", "bucketize", "score_events")
-_KEYS = ("name", "version", "timeout", "retries", "region", "owner", "max_batch", "log_level", "cache_size", "enabled")
-_TASKS = ("deploying a web service", "reviewing a pull request", "preparing a release", "onboarding a new engineer",
-          "migrating a database", "debugging a memory leak", "writing a design document", "running a load test")
-_STEPS = ("Read the current documentation", "List the open questions", "Write down the expected result",
-          "Run the automated tests", "Check the logs for errors", "Ask a colleague for a review",
-          "Update the change log", "Measure the baseline first", "Back up the existing data",
-          "Announce the change to the team", "Verify the rollback plan", "Close the related tickets")
-_SENTENCES = ("The river runs past the old mill and into the valley.", "Every morning the baker lights the oven.",
-              "A small bell rings when the door opens.", "The library keeps its oldest maps in a locked room.",
-              "Children play football in the square after school.", "The train to the coast leaves at noon.",
-              "Snow covers the hills for most of the winter.", "The market sells fresh fruit on Saturdays.")
-_QUESTIONS = ("Why is the sky blue", "How do vaccines train the immune system", "What causes ocean tides",
-              "How does a bicycle stay upright", "Why do leaves change colour in autumn",
-              "What is the difference between weather and climate", "How do bees make honey",
-              "Why does bread rise", "How does a compass work", "What makes a good night's sleep",
-              "How do airplanes fly", "Why do cats purr", "How is glass made", "What is inflation",
-              "How do solar panels produce electricity", "Why do we have leap years", "How do volcanoes form",
-              "What does a city planner do", "How does the heart pump blood", "Why is the ocean salty")
-_STYLES = ("Answer in two sentences.", "Explain it to a ten-year-old.", "Give one concrete example.",
-           "Answer briefly.", "Mention one common misconception.", "Use a short analogy.")
+BENCH_METHODS = ("ngram", "suffix", "draft_model")
+VARIANTS = ("", "dynamic")
+UNSUPPORTED = {"eagle": "trained EAGLE heads", "eagle3": "trained EAGLE-3 heads", "medusa": "trained Medusa heads",
+               "mtp": "a model with MTP layers", "dflash": "a DFlash drafter", "dspark": "a DSpark drafter"}
+DEFAULT_DYNAMIC_PARAMS = {"min_draft_survival": 0.25, "probe_interval": 16}
 
 
 @dataclass(frozen=True)
@@ -76,88 +72,13 @@ class SpecCounts:
                           self.num_accepted_tokens - before.num_accepted_tokens,
                           tuple(a - b for a, b in zip(now, old)))
 
-
-# ------------------------------------------------------------------------------------------------ workloads
-def _code_snippet(rng: np.random.Generator) -> tuple[str, str]:
-    """A small Python function built from templates; returns (code, name of a local variable to rename)."""
-    fn, seq = str(rng.choice(_FUNCS)), str(rng.choice(_NAMES))
-    acc, lim = (str(v) for v in rng.choice(_VARS, size=2, replace=False))
-    factor = int(rng.integers(2, 9))
-    code = (f"def {fn}({seq}, {lim}):\n"
-            f"    {acc} = 0\n"
-            f"    for item in {seq}:\n"
-            f"        if item > {lim}:\n"
-            f"            {acc} += item * {factor}\n"
-            f"        else:\n"
-            f"            {acc} -= item\n"
-            f"    return {acc}\n")
-    return code, acc
-
-
-def _code_edit(rng: np.random.Generator) -> list[dict[str, str]]:
-    code, var = _code_snippet(rng)
-    new = f"{var}_{rng.choice(('sum', 'value', 'out', 'tmp'))}"
-    return [{"role": "user", "content": f"Here is a Python function:\n```python\n{code}```\nRename the variable "
-                                        f"`{var}` to `{new}` and return the complete updated function in one code "
-                                        f"block, without any explanation."}]
-
-
-def _json_edit(rng: np.random.Generator) -> list[dict[str, str]]:
-    keys = [str(k) for k in rng.choice(_KEYS, size=6, replace=False)]
-    record = ",\n".join(f'  "{k}": {int(rng.integers(1, 500))}' for k in keys)
-    key, value = keys[int(rng.integers(0, len(keys)))], int(rng.integers(500, 999))
-    return [{"role": "user", "content": f"Here is a configuration file:\n```json\n{{\n{record}\n}}\n```\nSet "
-                                        f'"{key}" to {value} and output the complete file again.'}]
-
-
-def _reask(rng: np.random.Generator) -> list[dict[str, str]]:
-    task = str(rng.choice(_TASKS))
-    steps = [str(s) for s in rng.choice(_STEPS, size=5, replace=False)]
-    answer = "\n".join(f"{i + 1}. {s}." for i, s in enumerate(steps))
-    return [{"role": "user", "content": f"Give me a short checklist for {task}."},
-            {"role": "assistant", "content": f"Checklist for {task}:\n{answer}"},
-            {"role": "user", "content": "Write the checklist above again, exactly as it is, and add a sixth step "
-                                        "at the end."}]
-
-
-def _repeat_text(rng: np.random.Generator) -> list[dict[str, str]]:
-    paragraph = " ".join(str(s) for s in rng.choice(_SENTENCES, size=4, replace=False))
-    return [{"role": "user", "content": f"Repeat the following paragraph word for word:\n\n{paragraph}"}]
-
-
-def repetitive_conversations(num: int, seed: int) -> list[list[dict[str, str]]]:
-    """``num`` code-edit / re-ask / repeat conversations (the four kinds in turn), seeded."""
-    rng = np.random.default_rng(seed)
-    kinds = (_code_edit, _json_edit, _reask, _repeat_text)
-    return [kinds[i % len(kinds)](rng) for i in range(num)]
-
-
-def non_repetitive_conversations(num: int, seed: int) -> list[list[dict[str, str]]]:
-    """``num`` varied natural-language questions (distinct up to 120 prompts), seeded."""
-    rng = np.random.default_rng(seed)
-    pairs = [(q, s) for s in _STYLES for q in _QUESTIONS]
-    order = rng.permutation(len(pairs))
-    return [[{"role": "user", "content": f"{pairs[order[i % len(pairs)]][0]}? "
-                                         f"{pairs[order[i % len(pairs)]][1]}"}] for i in range(num)]
-
-
-def encode_conversation(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of the conversation through the tokenizer's chat template (plain ``role: text`` lines without)."""
-    if getattr(tokenizer, "chat_template", None):
-        from ascent.tokenizer import apply_chat_template
-
-        text = apply_chat_template(tokenizer, messages, add_generation_prompt=True)
-    else:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def build_workloads(tokenizer: Any, num_prompts: int, output_len: int, seed: int,
-                    ) -> dict[str, list[BenchRequest]]:
-    """The two workloads as token-id requests, each of ``num_prompts`` prompts and ``output_len`` max tokens."""
-    makers = {"repetitive": repetitive_conversations, "non_repetitive": non_repetitive_conversations}
-    return {name: [BenchRequest(encode_conversation(tokenizer, conv), output_len)
-                   for conv in makers[name](num_prompts, seed)] for name in WORKLOADS}
+    def plus(self, other: "SpecCounts") -> "SpecCounts":
+        """Counts of both (e.g. two rounds)."""
+        width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        a = list(self.accepted_per_pos) + [0] * (width - len(self.accepted_per_pos))
+        b = list(other.accepted_per_pos) + [0] * (width - len(other.accepted_per_pos))
+        return SpecCounts(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                          self.num_accepted_tokens + other.num_accepted_tokens, tuple(x + y for x, y in zip(a, b)))
 
 
 # ------------------------------------------------------------------------------------------------ measurement
@@ -197,38 +118,48 @@ def greedy_generate(llm: Any, requests: list[BenchRequest], ignore_eos: bool) ->
 def timed_run(llm: Any, requests: list[BenchRequest], ignore_eos: bool) -> tuple[dict[str, Any], list[list[int]]]:
     """Time one greedy generate; returns (metrics with the speculation counts of this run, output token ids)."""
     before = spec_counts(llm)
+    cpu = time.process_time()
     with Timer() as timer:
         outputs = greedy_generate(llm, requests, ignore_eos)
+    cpu = time.process_time() - cpu
     produced = sum(len(o) for o in outputs)
     return {"elapsed_time": timer.elapsed, "total_output_tokens": produced,
             "output_tokens_per_second": produced / timer.elapsed if timer.elapsed > 0 else None,
-            "counts": spec_counts(llm).minus(before)}, outputs
+            "cpu_time": cpu, "counts": spec_counts(llm).minus(before)}, outputs
+
+
+def parse_dynamic_params(text: str | None) -> dict[str, Any]:
+    """``--dynamic-params`` JSON object (validated as ``dynamic_params``); None -> the bench defaults."""
+    from ascent.spec_decode.dynamic import DynamicSpecParams
+
+    if text is None:
+        return dict(DEFAULT_DYNAMIC_PARAMS)
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"dynamic_params={text!r} is invalid: not JSON ({e.msg})") from None
+    if not isinstance(params, dict):
+        raise ValueError(f"dynamic_params={text!r} is invalid: must be a JSON object")
+    DynamicSpecParams.from_dict(params)
+    return params
 
 
 def speculative_config(args: argparse.Namespace, method: str) -> dict[str, Any]:
-    """The ``speculative_config`` dict of ``method`` from the bench flags."""
-    config: dict[str, Any] = {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
-    if method == "ngram":
+    """The ``speculative_config`` dict of ``method`` (``base`` or ``base+dynamic``) from the bench flags."""
+    base, _, variant = method.partition("+")
+    config: dict[str, Any] = {"method": base, "num_speculative_tokens": args.num_speculative_tokens}
+    if base == "ngram":
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             if getattr(args, name, None) is not None:
                 config[name] = getattr(args, name)
+    if base == "draft_model":
+        config["draft_num_layers"] = getattr(args, "draft_num_layers", None) or 6
+    if variant == "dynamic":
+        config["dynamic"] = True
+        config["dynamic_params"] = parse_dynamic_params(getattr(args, "dynamic_params", None))
+    if getattr(args, "disable_by_batch_size", None) is not None:
+        config["speculative_disable_by_batch_size"] = args.disable_by_batch_size
     return config
-
-
-def measure_engine(args: argparse.Namespace, max_model_len: int, workloads: dict[str, list[BenchRequest]],
-                   warmup: list[BenchRequest], spec: dict[str, Any] | None) -> dict[str, Any]:
-    """Build one engine, warm it up, time every workload; the engine is released before returning."""
-    from ascent.benchmarks.throughput import build_llm
-
-    llm = build_llm(args, max_model_len, speculative_config=spec)
-    try:
-        greedy_generate(llm, warmup, ignore_eos=True)
-        runs = {name: timed_run(llm, reqs, args.ignore_eos) for name, reqs in workloads.items()}
-        startup = dict(getattr(llm.llm_engine, "timings", {}) or {})
-    finally:
-        del llm
-        gc.collect()
-    return {"runs": runs, "startup": startup}
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -248,38 +179,29 @@ def outputs_match(reference: list[list[int]], outputs: list[list[int]]) -> tuple
     return not diverged, diverged
 
 
-def method_result(run: dict[str, Any], outputs: list[list[int]], baseline: dict[str, Any],
-                  reference: list[list[int]], k: int) -> dict[str, Any]:
-    """One method's figures on one workload."""
-    equal, diverged = outputs_match(reference, outputs)
-    result = {key: run[key] for key in ("elapsed_time", "total_output_tokens", "output_tokens_per_second")}
-    result.update(acceptance_summary(run["counts"], k))
-    result.update({"speedup_vs_no_spec": safe_ratio(run["output_tokens_per_second"],
-                                                    baseline["output_tokens_per_second"]),
-                   "outputs_equal_no_spec": equal, "num_mismatched_requests": len(diverged),
-                   "first_mismatch_positions": diverged})
-    return result
-
-
 # ------------------------------------------------------------------------------------------------ driver
 def parse_methods(text: str) -> list[str]:
-    """``"ngram,suffix"`` -> ``["ngram", "suffix"]``; only model-free methods, no duplicates."""
-    from ascent.spec_decode.base import MODEL_FREE_METHODS
-
+    """``"ngram,suffix+dynamic"`` -> ``["ngram", "suffix+dynamic"]``; methods of ``BENCH_METHODS``, optionally with
+    ``+dynamic``; no duplicates. Methods that need trained draft heads are refused with the reason."""
     methods = [m.strip() for m in str(text).split(",") if m.strip()]
     if not methods:
         raise ValueError(f"methods={text!r} names no method")
     for m in methods:
-        if m not in MODEL_FREE_METHODS:
-            raise ValueError(f"method {m!r} is not supported here; choose from {MODEL_FREE_METHODS}")
+        base, sep, variant = m.partition("+")
+        if base in UNSUPPORTED:
+            raise ValueError(f"method {base!r} needs {UNSUPPORTED[base]} for the target; none exist for the bench "
+                             f"model, so it is not benchmarked (choose from {BENCH_METHODS})")
+        if base not in BENCH_METHODS or (sep and variant not in VARIANTS[1:]):
+            raise ValueError(f"method {m!r} is not supported here; choose from {BENCH_METHODS}, optionally with "
+                             "'+dynamic'")
     if len(set(methods)) != len(methods):
         raise ValueError(f"methods={text!r} repeats a method")
     return methods
 
 
 def _validate(args: argparse.Namespace) -> None:
-    for name in ("num_prompts", "output_len", "num_speculative_tokens"):
-        if getattr(args, name) < 1:
+    for name in ("num_prompts", "output_len", "num_speculative_tokens", "rounds"):
+        if getattr(args, name, 1) < 1:
             raise ValueError(f"{name}={getattr(args, name)!r} must be at least 1")
 
 
@@ -299,6 +221,48 @@ def _load_tokenizer(model_config: Any) -> Any:
     return get_tokenizer(model_config.model, model_config.tokenizer, model_config.chat_template)
 
 
+def round_workloads(tokenizer: Any, args: argparse.Namespace) -> list[dict[str, list[BenchRequest]]]:
+    """One workload set per round (seeds ``seed .. seed + rounds - 1``)."""
+    return [build_workloads(tokenizer, args.num_prompts, args.output_len, args.seed + r)
+            for r in range(getattr(args, "rounds", 1))]
+
+
+def build_engines(args: argparse.Namespace, max_model_len: int, configs: dict[str, dict[str, Any] | None],
+                  warmup: list[BenchRequest]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """One warmed-up engine per configuration (same engine flags); returns (engines, startup timings)."""
+    from ascent.benchmarks.throughput import build_llm
+
+    overrides: dict[str, Any] = {}
+    if getattr(args, "max_concurrency", None) is not None:
+        overrides["max_num_seqs"] = args.max_concurrency
+    engines, startup = {}, {}
+    for name, spec in configs.items():
+        llm = build_llm(args, max_model_len, speculative_config=spec, **overrides)
+        greedy_generate(llm, warmup, ignore_eos=True)
+        engines[name] = llm
+        startup[name] = dict(getattr(llm.llm_engine, "timings", {}) or {})
+    return engines, startup
+
+
+def run_rounds(args: argparse.Namespace, engines: dict[str, Any],
+               rounds: list[dict[str, list[BenchRequest]]]) -> list[dict[str, dict[str, Any]]]:
+    """Per round and workload, every engine back to back (order rotated per round): ``[round][workload][name]``
+    = (metrics, outputs)."""
+    names = list(engines)
+    results = []
+    for r, workloads in enumerate(rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        measured: dict[str, dict[str, Any]] = {}
+        for w, reqs in workloads.items():
+            measured[w] = {}
+            for name in order:
+                measured[w][name] = timed_run(engines[name], reqs, args.ignore_eos)
+                logger.info("bench spec round %d %s %s: %.2f output tok/s", r, w, name,
+                            measured[w][name][0]["output_tokens_per_second"] or 0.0)
+        results.append(measured)
+    return results
+
+
 def run_spec(args: argparse.Namespace) -> dict[str, Any]:
     """Run the spec-decode benchmark; returns the result dict (also ``--output-json`` and a stdout summary)."""
     _validate(args)
@@ -306,34 +270,77 @@ def run_spec(args: argparse.Namespace) -> dict[str, Any]:
     threads = pin_threads(args.num_threads)
     model_config = _model_config(args)
     tokenizer = _load_tokenizer(model_config)
-    workloads = build_workloads(tokenizer, args.num_prompts, args.output_len, args.seed)
-    warmup_sets = build_workloads(tokenizer, WARMUP_PROMPTS, WARMUP_TOKENS, args.seed + 1)
+    rounds = round_workloads(tokenizer, args)
+    warmup_sets = build_workloads(tokenizer, WARMUP_PROMPTS, WARMUP_TOKENS, args.seed + 10_000)
     warmup = [r for name in WORKLOADS for r in warmup_sets[name]]
-    longest = max(r.input_len for reqs in (*workloads.values(), warmup) for r in reqs)
+    longest = max(r.input_len for reqs in (*(w for rd in rounds for w in rd.values()), warmup) for r in reqs)
     max_model_len = longest + args.output_len + args.num_speculative_tokens + 1
-    base = measure_engine(args, max_model_len, workloads, warmup, None)
-    per_method = {m: measure_engine(args, max_model_len, workloads, warmup, speculative_config(args, m))
-                  for m in methods}
-    result = assemble_result(args, model_config, methods, workloads, base, per_method, threads)
+    configs = {NO_SPEC: None, **{m: speculative_config(args, m) for m in methods}}
+    engines, startup = build_engines(args, max_model_len, configs, warmup)
+    try:
+        measured = run_rounds(args, engines, rounds)
+    finally:
+        engines.clear()
+        gc.collect()
+    result = assemble_result(args, model_config, methods, rounds, measured, startup, threads)
     if args.output_json:
         write_json(args.output_json, result)
     print(format_summary(result))
     return result
 
 
-def _workload_result(name: str, requests: list[BenchRequest], base: dict[str, Any],
-                     per_method: dict[str, dict[str, Any]], k: int) -> dict[str, Any]:
-    base_run, reference = base["runs"][name]
-    baseline = {key: base_run[key] for key in ("elapsed_time", "total_output_tokens", "output_tokens_per_second")}
-    methods = {m: method_result(*engine["runs"][name], baseline, reference, k) for m, engine in per_method.items()}
-    return {"requested": length_summary(requests), "no_spec": baseline, "methods": methods}
+RUN_KEYS = ("elapsed_time", "total_output_tokens", "output_tokens_per_second")
+
+
+def _totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    elapsed = sum(r["elapsed_time"] for r in runs)
+    tokens = sum(r["total_output_tokens"] for r in runs)
+    cpu = sum(r.get("cpu_time", 0.0) for r in runs)
+    return {"elapsed_time": elapsed, "total_output_tokens": tokens,
+            "output_tokens_per_second": tokens / elapsed if elapsed > 0 else None,
+            "output_tokens_per_cpu_second": tokens / cpu if cpu > 0 else None}
+
+
+def _median_ratio(runs: list[dict[str, Any]], base_runs: list[dict[str, Any]], key: str) -> float | None:
+    ratios = [safe_ratio(r[key], b[key]) for r, b in zip(runs, base_runs)]
+    return float(np.median(ratios)) if ratios and all(x is not None for x in ratios) else None
+
+
+def method_result(name: str, work: str, measured: list[dict[str, dict[str, Any]]], k: int) -> dict[str, Any]:
+    """One method's figures on one workload, over all rounds."""
+    runs = [rd[work][name][0] for rd in measured]
+    base_runs = [rd[work][NO_SPEC][0] for rd in measured]
+    result = _totals(runs)
+    counts = SpecCounts()
+    for run in runs:
+        counts = counts.plus(run["counts"])
+    result.update(acceptance_summary(counts, k))
+    ratios = [safe_ratio(r["output_tokens_per_second"], b["output_tokens_per_second"]) for r, b in zip(runs, base_runs)]
+    diverged: list[int] = []
+    for rd in measured:
+        diverged += outputs_match(rd[work][NO_SPEC][1], rd[work][name][1])[1]
+    cpu = [_totals([r]) for r in runs], [_totals([b]) for b in base_runs]
+    result.update({"speedup_vs_no_spec": _median_ratio(runs, base_runs, "output_tokens_per_second"),
+                   "speedup_per_round": ratios,
+                   "speedup_cpu_time": _median_ratio(*cpu, "output_tokens_per_cpu_second"),
+                   "speedup_aggregate": safe_ratio(result["output_tokens_per_second"],
+                                                   _totals(base_runs)["output_tokens_per_second"]),
+                   "outputs_equal_no_spec": not diverged, "num_mismatched_requests": len(diverged),
+                   "first_mismatch_positions": diverged})
+    return result
 
 
 def assemble_result(args: argparse.Namespace, model_config: Any, methods: list[str],
-                    workloads: dict[str, list[BenchRequest]], base: dict[str, Any],
-                    per_method: dict[str, dict[str, Any]], threads: int) -> dict[str, Any]:
-    """The result JSON from the measured engines."""
+                    rounds: list[dict[str, list[BenchRequest]]], measured: list[dict[str, dict[str, Any]]],
+                    startup: dict[str, dict[str, Any]], threads: int) -> dict[str, Any]:
+    """The result JSON from the measured rounds."""
     k = args.num_speculative_tokens
+    workloads = {}
+    for work in WORKLOADS:
+        requests = [r for rd in rounds for r in rd[work]]
+        base = _totals([rd[work][NO_SPEC][0] for rd in measured])
+        workloads[work] = {"requested": length_summary(requests), "no_spec": base,
+                           "methods": {m: method_result(m, work, measured, k) for m in methods}}
     return {
         "benchmark": "spec_decode",
         "model": model_config.model,
@@ -342,11 +349,12 @@ def assemble_result(args: argparse.Namespace, model_config: Any, methods: list[s
         "methods": methods,
         "config": {"num_prompts": args.num_prompts, "output_len": args.output_len, "temperature": 0.0,
                    "ignore_eos": bool(args.ignore_eos), "seed": args.seed, "num_threads": threads,
+                   "rounds": len(rounds), "max_concurrency": getattr(args, "max_concurrency", None),
                    "speculative_configs": {m: speculative_config(args, m) for m in methods},
                    "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "warmup_prompts": WARMUP_PROMPTS * len(WORKLOADS), "warmup_tokens": WARMUP_TOKENS},
-        "workloads": {name: _workload_result(name, reqs, base, per_method, k) for name, reqs in workloads.items()},
-        "startup": {NO_SPEC: base["startup"], **{m: e["startup"] for m, e in per_method.items()}},
+        "workloads": workloads,
+        "startup": startup,
         "env": collect_env(model_config.torch_dtype, threads),
     }
 
@@ -363,8 +371,10 @@ def _equality(r: dict[str, Any]) -> str:
 
 def format_summary(result: dict[str, Any]) -> str:
     """Human-readable summary of a spec-decode result."""
+    cfg = result["config"]
     lines = [f"spec decode  model={result['model']}  dtype={result['dtype']}  k={result['num_speculative_tokens']}  "
-             f"threads={result['env']['num_threads']}  greedy"]
+             f"threads={result['env']['num_threads']}  max concurrency={cfg.get('max_concurrency') or 'engine'}  "
+             f"rounds={cfg.get('rounds', 1)}  greedy"]
     for name, work in result["workloads"].items():
         req, base = work["requested"], work["no_spec"]
         lines.append(f"  {name}: {req['num_requests']} prompts (mean input {_fmt(req['mean_input_len'], '.0f')} "
@@ -373,9 +383,10 @@ def format_summary(result: dict[str, Any]) -> str:
         for method, r in work["methods"].items():
             rates = r["per_position_acceptance_rate"]
             pos = "[" + ", ".join(_fmt(x, ".2f") for x in rates) + "]" if rates else "n/a"
-            lines.append(f"    {method:>6}: AL {_fmt(r['mean_acceptance_length'])}  acceptance "
+            lines.append(f"    {method:>14}: AL {_fmt(r['mean_acceptance_length'])}  acceptance "
                          f"{_fmt(r['acceptance_rate'], '.3f')}  per-pos {pos}  {_fmt(r['output_tokens_per_second'])} "
-                         f"output tok/s  x{_fmt(r['speedup_vs_no_spec'])} vs no spec  outputs equal: "
+                         f"output tok/s  x{_fmt(r['speedup_vs_no_spec'])} vs no spec (CPU time "
+                         f"x{_fmt(r.get('speedup_cpu_time'))})  outputs equal: "
                          f"{_equality(r)}")
     if result["env"]["load_warning"]:
         lines.append(f"  WARNING: 1-minute load {result['env']['loadavg'][0]:.2f} exceeds half the cores; "
@@ -386,15 +397,26 @@ def format_summary(result: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------------ CLI
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``ascent bench spec``."""
-    from ascent.benchmarks.cli import _add_engine_args, positive_int
+    from ascent.benchmarks.cli import positive_int, _add_engine_args
 
     _add_engine_args(parser)
     parser.add_argument("--output-json", default=None, help="write the result JSON to this path")
-    parser.add_argument("--methods", default="ngram,suffix", help="comma-separated model-free methods")
+    parser.add_argument("--methods", default="ngram,suffix,suffix+dynamic,draft_model",
+                        help=f"comma-separated methods of {BENCH_METHODS}, each optionally '+dynamic'")
     parser.add_argument("--num-speculative-tokens", type=positive_int, default=3, help="draft length k")
     parser.add_argument("--prompt-lookup-min", type=positive_int, default=None, help="ngram minimum match length")
     parser.add_argument("--prompt-lookup-max", type=positive_int, default=None, help="ngram maximum match length")
-    parser.add_argument("--num-prompts", type=positive_int, default=16, help="prompts per workload")
+    parser.add_argument("--draft-num-layers", type=positive_int, default=6,
+                        help="draft_model: the target truncated to its first N layers")
+    parser.add_argument("--dynamic-params", default=None,
+                        help=f"JSON dynamic_params of the '+dynamic' methods (default {DEFAULT_DYNAMIC_PARAMS})")
+    parser.add_argument("--disable-by-batch-size", type=positive_int, default=None,
+                        help="speculative_disable_by_batch_size of every method (no drafts with >= N running)")
+    parser.add_argument("--max-concurrency", type=positive_int, default=None,
+                        help="most requests running at once (engine max_num_seqs; 1 = single stream)")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="rounds of fresh prompts; engines interleave within each round")
+    parser.add_argument("--num-prompts", type=positive_int, default=16, help="prompts per workload and round")
     parser.add_argument("--output-len", type=positive_int, default=96, help="max generated tokens per prompt")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate exactly --output-len tokens")
 
@@ -405,7 +427,7 @@ def _run_spec_command(args: argparse.Namespace) -> dict[str, Any]:
 
 def register_spec_bench_parser(commands: Any) -> argparse.ArgumentParser:
     """Add ``spec`` to the ``bench`` sub-parsers (sets ``func``)."""
-    spec = commands.add_parser("spec", help="speculative decoding (ngram, suffix) vs no speculation",
+    spec = commands.add_parser("spec", help="speculative decoding (ngram, suffix, draft_model) vs no speculation",
                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_spec_args(spec)
     spec.set_defaults(func=_run_spec_command)

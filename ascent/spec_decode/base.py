@@ -58,6 +58,9 @@ class SpeculativeConfig:
     (vLLM Ascend's ``additional_config.draft_window_size``, see ``spec_decode.sliding_window``) and
     ``draft_num_layers`` (``draft_model`` without a ``model``: the target truncated to its first N layers, sharing its
     weights, see ``spec_decode.draft_model``).
+    ``speculative_disable_by_batch_size`` (vLLM V0's key): no drafts in a step where at least that many requests
+    are running (speculation only pays while a step is memory-bound); ``num_speculative_tokens_per_batch_size``
+    caps the draft length by the number of running requests the same way (K = 0 disables).
     ``draft_model_config`` is vLLM's key; only ``{"hf_config": {...}}`` overrides are read (e.g.
     ``eagle_aux_hidden_state_layer_ids`` for ``eagle3`` / ``extract_hidden_states``).
     """
@@ -83,6 +86,7 @@ class SpeculativeConfig:
     disable_padded_drafter_batch: bool = False
     parallel_drafting: bool = False
     num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
+    speculative_disable_by_batch_size: int | None = None
     dynamic: bool = False
     dynamic_params: dict[str, Any] = field(default_factory=dict)
     draft_window_size: int | None = None
@@ -105,6 +109,7 @@ class SpeculativeConfig:
         _check_int("max_model_len", self.max_model_len, 1, optional=True)
         _check_int("draft_window_size", self.draft_window_size, 1, optional=True)
         _check_int("draft_num_layers", self.draft_num_layers, 1, optional=True)
+        _check_int("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size, 2, optional=True)
         self._check_model_methods()
         for name in ("disable_padded_drafter_batch", "parallel_drafting", "dynamic"):
             if not isinstance(getattr(self, name), bool):

@@ -4,9 +4,10 @@ Two sources for the drafter:
 * ``model: <dir>``: a separate HF checkpoint with the target's vocabulary (a different ``vocab_size`` is a
   ValueError), loaded with the engine's dtype and load format;
 * ``draft_num_layers: N`` (an ascent extension key; ``model`` may then be omitted): the target truncated to its first
-  ``N`` decoder layers followed by the target's final norm, sharing every weight with the target (embedding, the
-  ``N`` layers, norm and ``lm_head``: no copy) but with its own attention caches. ``N = num_hidden_layers`` drafts
-  the target's own greedy continuation (an oracle useful for testing).
+  ``N`` decoder layers followed by the target's final norm, sharing every weight module with the target (embedding,
+  the ``N`` layers' projections and norms, final norm and ``lm_head``: the very module objects, so packed or
+  quantized weights and their post-load state are shared too, no copy) but with its own attention (KV cache)
+  layers. ``N = num_hidden_layers`` drafts the target's own greedy continuation (an oracle useful for testing).
 The drafter consumes the same tokens as the target (its own KV cache, :mod:`ascent.spec_decode.draft_runner`).
 """
 
@@ -24,7 +25,8 @@ from ascent.spec_decode.registry import register_proposer
 
 
 def truncated_model(target: nn.Module, num_layers: int, device: torch.device) -> nn.Module:
-    """The target's class built with ``num_layers`` layers whose parameters ARE the target's (shared tensors)."""
+    """The target's class built with ``num_layers`` layers whose weight modules ARE the target's (see
+    :func:`share_modules`); only the attention layers that own a KV cache are the draft's own."""
     config = copy.copy(target.config)
     total = int(config.num_hidden_layers)
     if not 1 <= num_layers <= total:
@@ -34,8 +36,37 @@ def truncated_model(target: nn.Module, num_layers: int, device: torch.device) ->
         config.layer_types = list(config.layer_types)[:num_layers]
     with torch.device(device):
         draft = type(target)(config, dtype=target.dtype)
+    share_modules(draft, target)
     share_parameters(draft, target)
     return draft.eval()
+
+
+def _has_kv_layer(module: nn.Module) -> bool:
+    from ascent.spec_decode.draft_runner import is_kv_layer
+
+    return any(is_kv_layer(m) for m in module.modules())
+
+
+def share_modules(dst: nn.Module, src: nn.Module) -> None:
+    """Replace every submodule of ``dst`` that holds no KV-cache layer by the same-named module of ``src`` (the whole
+    object: parameters, buffers and any packed / quantized state set up at load time); recurse into the others, so
+    only the KV-cache layers themselves stay ``dst``'s own."""
+    from ascent.spec_decode.draft_runner import is_kv_layer
+
+    for name, child in list(dst.named_children()):
+        other = getattr(src, name, None)
+        if not isinstance(other, nn.Module) or is_kv_layer(child):
+            continue
+        if isinstance(child, nn.ModuleList) and isinstance(other, nn.ModuleList):
+            for i, item in enumerate(child):
+                if _has_kv_layer(item):
+                    share_modules(item, other[i])
+                else:
+                    child[i] = other[i]
+        elif _has_kv_layer(child):
+            share_modules(child, other)
+        else:
+            setattr(dst, name, other)
 
 
 def share_parameters(dst: nn.Module, src: nn.Module) -> None:

@@ -10,6 +10,13 @@ that the prefix through position i is accepted. Every request keeps ``min_k`` dr
 since survival is non-increasing). Every ``budget_update_interval`` steps ``budget_k`` becomes
 ``ceil(#(survival >= budget_threshold) / B)``, bumped to the next odd value when even and ``< D``, clamped to
 ``[min_k, D]``. ``AcceptanceStats`` turns verification outcomes of model-free proposers into ``token_probs``.
+
+Ascent extensions (``dynamic_params``): ``min_draft_survival`` (default 0 = off) cuts every request's draft to the
+positions whose survival is at least that value, so a request whose drafts are persistently rejected drafts nothing
+(non-repetitive traffic then runs at plain-decoding cost); ``probe_interval`` (default 16): a request held at 0
+drafts (by that cut, or by ``min_verify_tokens = 0`` with a zero budget) drafts one token on every
+``probe_interval``-th step so its statistics can recover (:class:`DraftGate`). ``batch_size_k`` is the per-step cap
+of the batch-size schedule.
 """
 
 from __future__ import annotations
@@ -61,24 +68,39 @@ def build_batch_size_lookup(schedule: Any, max_batch_size: int, max_k: int) -> l
     return lookup
 
 
+def batch_size_k(schedule: Schedule, batch_size: int, max_k: int) -> int:
+    """K of the (validated) batch-size schedule for ``batch_size`` running requests: the range containing it, else
+    the closest range starting below it (gaps and the tail inherit); 0 for an empty batch; clamped to ``max_k``."""
+    k = 0
+    for start, _end, value in schedule:
+        if start > batch_size:
+            break
+        k = value
+    return min(k, max_k) if batch_size > 0 else 0
+
+
 @dataclass(frozen=True)
 class DynamicSpecParams:
-    """vLLM Ascend ``dynamic_spec_config.method_params`` (defaults as there)."""
+    """vLLM Ascend ``dynamic_spec_config.method_params`` (defaults as there) plus the ascent extensions
+    ``min_draft_survival`` and ``probe_interval`` (module docstring)."""
 
     initial_verify_budget_per_req: int = 5
     budget_update_interval: int = 16
     budget_threshold: float = 0.3
     min_verify_tokens: int = 1
+    min_draft_survival: float = 0.0
+    probe_interval: int = 16
 
     def __post_init__(self) -> None:
         for name, lo in (("initial_verify_budget_per_req", 0), ("budget_update_interval", 1),
-                         ("min_verify_tokens", 0)):
+                         ("min_verify_tokens", 0), ("probe_interval", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name}={v!r} is invalid: must be an integer >= {lo}")
-        t = self.budget_threshold
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
-            raise ValueError(f"budget_threshold={t!r} is invalid: must be in [0, 1]")
+        for name in ("budget_threshold", "min_draft_survival"):
+            t = getattr(self, name)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
+                raise ValueError(f"{name}={t!r} is invalid: must be in [0, 1]")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DynamicSpecParams:
@@ -176,3 +198,38 @@ class AcceptanceStats:
             tried, acc = self._tried.get(r, zeros), self._accepted.get(r, zeros)
             out[i] = (acc + self.prior_strength * prior) / (tried + self.prior_strength)
         return out
+
+
+class DraftGate:
+    """Per-request cut of the scheduler's keep lengths by estimated survival, with periodic re-probing.
+
+    ``apply`` keeps, per request, ``min(keep, #(survival >= min_survival))`` drafts (a prefix: survival is
+    non-increasing). A request left at 0 drafts counts its idle steps; on the ``probe_interval``-th it gets one draft
+    (a probe of the first position), so a request whose text turns repetitive is noticed again.
+    """
+
+    def __init__(self, min_survival: float = 0.0, probe_interval: int = 16) -> None:
+        if not 0.0 <= min_survival <= 1.0 or probe_interval < 1:
+            raise ValueError(f"min_survival={min_survival}, probe_interval={probe_interval} are invalid: need "
+                             "0 <= min_survival <= 1 and probe_interval >= 1")
+        self.min_survival = float(min_survival)
+        self.probe_interval = probe_interval
+        self._idle: dict[str, int] = {}
+
+    def apply(self, req_ids: Sequence[str], token_probs: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """``token_probs [B, D]`` (as for :meth:`DynamicSpecScheduler.update`), ``keep [B]`` -> gated lengths."""
+        survival = np.cumprod(np.clip(np.asarray(token_probs, dtype=np.float64), 1e-6, 1.0), axis=1)
+        keep = np.asarray(keep, dtype=np.int64)
+        out = np.minimum(keep, (survival >= self.min_survival).sum(axis=1)) if self.min_survival > 0 else keep.copy()
+        for i, req_id in enumerate(req_ids):
+            if out[i] > 0:
+                self._idle.pop(req_id, None)
+                continue
+            idle = self._idle.get(req_id, 0) + 1
+            if idle >= self.probe_interval:
+                out[i], idle = 1, 0
+            self._idle[req_id] = idle
+        return out
+
+    def remove(self, req_id: str) -> None:
+        self._idle.pop(req_id, None)

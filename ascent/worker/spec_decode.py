@@ -9,7 +9,11 @@ receive the step's valid target hidden states (:class:`TargetStep`), then the pr
 from every request's committed tokens.
 
 With ``dynamic: true`` a :class:`DynamicSpecScheduler` picks each request's draft length in ``[min_verify_tokens,
-k]`` from per-request, per-position acceptance statistics of earlier verifications (:class:`AcceptanceStats`).
+k]`` from per-request, per-position acceptance statistics of earlier verifications (:class:`AcceptanceStats`),
+then :class:`DraftGate` cuts drafts below ``min_draft_survival`` (a request can drop to 0 drafts; it is re-probed
+every ``probe_interval`` steps). Per step, the number of running requests can cap every draft length
+(``num_speculative_tokens_per_batch_size``) or switch speculation off (``speculative_disable_by_batch_size``); a step
+without drafts skips the proposer's drafting entirely (it still learns the committed tokens).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from ascent.sample.metadata import SamplingMetadata
 from ascent.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from ascent.spec_decode.base import Proposer, SpeculativeConfig
 from ascent.spec_decode.draft_runner import DraftEnv
-from ascent.spec_decode.dynamic import AcceptanceStats, DynamicSpecParams, DynamicSpecScheduler
+from ascent.spec_decode.dynamic import (AcceptanceStats, DraftGate, DynamicSpecParams, DynamicSpecScheduler,
+                                        batch_size_k)
 from ascent.spec_decode.model_proposer import ModelProposer, TargetStep
 from ascent.spec_decode.registry import get_proposer_cls
 from ascent.worker.input_batch import InputBatch
@@ -44,9 +49,12 @@ class SpecDecodeRunner:
         self._known: set[str] = set()
         self.dynamic: DynamicSpecScheduler | None = None
         self.acceptance: AcceptanceStats | None = None
+        self.gate: DraftGate | None = None
         if config.dynamic:
-            self.dynamic = DynamicSpecScheduler(self.k, DynamicSpecParams.from_dict(config.dynamic_params))
+            params = DynamicSpecParams.from_dict(config.dynamic_params)
+            self.dynamic = DynamicSpecScheduler(self.k, params)
             self.acceptance = AcceptanceStats(self.k)
+            self.gate = DraftGate(params.min_draft_survival, params.probe_interval)
         self.last_draft_lengths: dict[str, int] = {}  # per request, the draft budget of the latest proposal
 
     def load_model(self, target_model: torch.nn.Module, engine_config: EngineConfig | None = None) -> None:
@@ -83,6 +91,8 @@ class SpecDecodeRunner:
             self.last_draft_lengths.pop(req_id, None)
             if self.acceptance is not None:
                 self.acceptance.remove(req_id)
+            if self.gate is not None:
+                self.gate.remove(req_id)
 
     # ------------------------------------------------------------------------------------------------ drafts
     def verify(self, drafts: list[list[int]], target_logits: torch.Tensor, metadata: SamplingMetadata,
@@ -135,24 +145,43 @@ class SpecDecodeRunner:
                           aux_hidden_states=[a.index_select(0, index_t) for a in aux] if aux else None)
         self.proposer.observe(step)
 
+    def step_k(self, num_running: int) -> int:
+        """Draft-length cap for a step with ``num_running`` requests in the batch (0: no speculation)."""
+        limit = self.config.speculative_disable_by_batch_size
+        if limit is not None and num_running >= limit:
+            return 0
+        schedule = self.config.num_speculative_tokens_per_batch_size
+        return self.k if schedule is None else batch_size_k(schedule, num_running, self.k)
+
     def propose(self, batch: InputBatch, req_ids: list[str], new_tokens: list[list[int]]) -> dict[str, list[int]]:
         """Teach the proposer the committed tokens, then draft up to ``k`` tokens per request (never past
-        ``max_model_len``; fewer under ``dynamic``)."""
+        ``max_model_len``; fewer under ``dynamic`` or a batch-size rule)."""
         for req_id, toks in zip(req_ids, new_tokens):
             if toks:
                 self.proposer.update_request(req_id, toks)
+        cap = self.step_k(int(batch.num_reqs))
+        if cap == 0 or not req_ids:
+            self.last_draft_lengths.update((r, 0) for r in req_ids)
+            return {}
         rows = [batch.req_id_to_index[r] for r in req_ids]
         token_ids = [batch.token_ids[row, : int(batch.num_tokens[row])] for row in rows]
-        budget = [max(0, min(self.k, self.max_model_len - 1 - len(t))) for t in token_ids]
-        if self.dynamic is not None and self.acceptance is not None and req_ids:
-            keep = self.dynamic.update(self.acceptance.token_probs(req_ids))
+        budget = [max(0, min(cap, self.max_model_len - 1 - len(t))) for t in token_ids]
+        if self.dynamic is not None and self.acceptance is not None:
+            probs = self.acceptance.token_probs(req_ids)
+            keep = self.dynamic.update(probs)
+            if self.gate is not None:
+                keep = self.gate.apply(req_ids, probs, keep)
             budget = [min(b, int(n)) for b, n in zip(budget, keep)]
         self.last_draft_lengths.update(zip(req_ids, budget))
+        if not any(budget):  # model drafters catch up on the skipped positions at their next proposal
+            return {}
         if isinstance(self.proposer, ModelProposer):
             self.proposer.set_sampling(*_sampling_of(batch, req_ids))
         proposals = self.proposer.propose(req_ids, token_ids, budget)
         out: dict[str, list[int]] = {}
         for i, req_id in enumerate(req_ids):
+            if budget[i] <= 0:
+                continue
             drafts = [int(t) for t in np.asarray(proposals[i]).tolist() if t >= 0][: budget[i]]
             if drafts:
                 out[req_id] = drafts

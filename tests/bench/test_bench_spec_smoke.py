@@ -11,7 +11,10 @@ import pytest
 
 from ascent.benchmarks.cli import register_bench_parser
 from ascent.benchmarks.spec import (SpecCounts, acceptance_summary, format_summary, non_repetitive_conversations,
-                                    outputs_match, parse_methods, repetitive_conversations)
+                                    outputs_match, parse_dynamic_params, parse_methods, repetitive_conversations,
+                                    speculative_config)
+from ascent.benchmarks.spec_workloads import WORKLOADS, build_workloads
+from ascent.spec_decode.base import SpeculativeConfig
 
 K = 3
 NUM_PROMPTS = 4
@@ -119,11 +122,72 @@ def test_workloads_are_seeded_and_repetitive() -> None:
 
 def test_parse_methods_and_outputs_match() -> None:
     assert parse_methods("ngram, suffix") == ["ngram", "suffix"]
-    for bad in ("eagle", "ngram,ngram", " , "):
+    assert parse_methods("suffix,suffix+dynamic,draft_model") == ["suffix", "suffix+dynamic", "draft_model"]
+    for bad in ("ngram,ngram", " , ", "suffix+fast", "foo"):
         with pytest.raises(ValueError):
             parse_methods(bad)
+    for needs_heads in ("eagle", "eagle3", "medusa+dynamic"):
+        with pytest.raises(ValueError, match="trained"):
+            parse_methods(needs_heads)
     assert outputs_match([[1, 2], [3]], [[1, 2], [3]]) == (True, [])
     assert outputs_match([[1, 2], [3, 5]], [[1, 2], [3, 4]]) == (False, [1])
     assert outputs_match([[1, 2, 3], [7]], [[1, 2], [8]]) == (False, [2, 0])
     with pytest.raises(ValueError):
         outputs_match([[1]], [])
+
+
+def test_cli_flags_build_valid_speculative_configs() -> None:
+    args = _parse(["bench", "spec", "--methods", "ngram,suffix+dynamic,draft_model", "--max-concurrency", "1",
+                   "--rounds", "3", "--draft-num-layers", "4", "--disable-by-batch-size", "8",
+                   "--dynamic-params", '{"min_draft_survival": 0.4, "probe_interval": 5}'])
+    assert args.max_concurrency == 1 and args.rounds == 3 and args.draft_num_layers == 4
+    configs = {m: speculative_config(args, m) for m in parse_methods(args.methods)}
+    assert configs["draft_model"]["draft_num_layers"] == 4 and "dynamic" not in configs["draft_model"]
+    assert configs["suffix+dynamic"]["method"] == "suffix" and configs["suffix+dynamic"]["dynamic"] is True
+    assert configs["suffix+dynamic"]["dynamic_params"] == {"min_draft_survival": 0.4, "probe_interval": 5}
+    assert all(c["speculative_disable_by_batch_size"] == 8 for c in configs.values())
+    for config in configs.values():
+        SpeculativeConfig.from_json(config)  # every bench config is a valid engine config
+    defaults = _parse(["bench", "spec"])
+    assert defaults.max_concurrency is None and defaults.rounds == 1 and defaults.draft_num_layers == 6
+    assert "draft_model" in parse_methods(defaults.methods)
+    assert parse_dynamic_params(None)["min_draft_survival"] > 0
+    for bad in ("[1]", "{", '{"unknown": 1}', '{"min_draft_survival": 2}'):
+        with pytest.raises(ValueError):
+            parse_dynamic_params(bad)
+
+
+class _CharTokenizer:
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % 256 for c in text]
+
+
+def test_workload_builder_requests() -> None:
+    work = build_workloads(_CharTokenizer(), num_prompts=5, output_len=7, seed=1)
+    assert tuple(work) == WORKLOADS
+    for reqs in work.values():
+        assert len(reqs) == 5 and all(r.output_len == 7 and r.input_len > 10 for r in reqs)
+    again = build_workloads(_CharTokenizer(), num_prompts=5, output_len=7, seed=1)
+    assert [r.prompt_token_ids for r in again["repetitive"]] == [r.prompt_token_ids for r in work["repetitive"]]
+    other = build_workloads(_CharTokenizer(), num_prompts=5, output_len=7, seed=2)
+    assert [r.prompt_token_ids for r in other["repetitive"]] != [r.prompt_token_ids for r in work["repetitive"]]
+
+
+def test_spec_bench_rounds_concurrency_and_draft_model(tiny_llama_dir: str) -> None:
+    """Two rounds at concurrency 1 with draft_model (self-draft: all layers -> every draft accepted) and a
+    dynamic suffix variant; outputs equal, round ratios reported."""
+    args = _parse(["bench", "spec", "--model", tiny_llama_dir, "--dtype", "float32",
+                   "--methods", "draft_model,suffix+dynamic", "--draft-num-layers", "2", "--max-concurrency", "1",
+                   "--rounds", "2", "--num-speculative-tokens", str(K), "--num-prompts", "2", "--output-len", "8",
+                   "--ignore-eos", "--num-threads", "1"])
+    data = args.func(args)
+    assert data["config"]["rounds"] == 2 and data["config"]["max_concurrency"] == 1
+    for work in data["workloads"].values():
+        assert work["no_spec"]["total_output_tokens"] == 2 * 2 * 8
+        for r in work["methods"].values():
+            assert r["outputs_equal_no_spec"] is True and len(r["speedup_per_round"]) == 2
+            assert r["speedup_vs_no_spec"] > 0 and r["speedup_aggregate"] > 0
+        draft = work["methods"]["draft_model"]
+        assert draft["num_drafts"] > 0 and draft["num_accepted_tokens"] == draft["num_draft_tokens"]

@@ -76,3 +76,38 @@ def test_mixed_batch_gives_the_accepted_request_more_drafts(tiny_llama_dir, plai
     assert _run(llm, [GOOD, BAD]) == [plain[tuple(GOOD)], plain[tuple(BAD)]]
     good, bad = proposer.budgets[tuple(GOOD)], proposer.budgets[tuple(BAD)]
     assert good[3] > bad[3] and bad[-1] < K
+
+
+def _scripted_llm(model_dir: str, plain, **spec_extra) -> tuple[LLM, _ScriptedProposer]:
+    spec = {"method": "ngram", "num_speculative_tokens": K, **spec_extra}
+    llm = LLM(model=model_dir, speculative_config=spec, dtype="float32", max_model_len=128, disable_log_stats=True)
+    runner = llm.llm_engine.engine_core.worker.model_runner.spec
+    proposer = _ScriptedProposer(runner.config, 128, plain)
+    runner.proposer = proposer
+    return llm, proposer
+
+
+def test_rejected_request_drops_to_zero_drafts_and_is_reprobed(tiny_llama_dir, plain):
+    llm, proposer = _scripted_llm(tiny_llama_dir, plain, dynamic=True,
+                                  dynamic_params={"min_draft_survival": 0.3, "probe_interval": 4})
+    assert _run(llm, [BAD]) == [plain[tuple(BAD)]]
+    budgets = proposer.budgets[tuple(BAD)]  # propose() runs only when some request may draft; the uninformed
+    # prior (1/2 per position) gives one draft first
+    stats = llm.llm_engine.engine_core.scheduler.spec_stats_total
+    assert budgets[0] == 1 and 2 <= len(budgets) <= 9 and set(budgets) == {1} and stats.num_accepted_tokens == 0
+    assert stats.num_drafts == len(budgets)  # every non-zero budget is a (rejected) draft; idle steps draft nothing
+
+
+def test_disable_by_batch_size_and_batch_size_schedule(tiny_llama_dir, plain):
+    llm, proposer = _scripted_llm(tiny_llama_dir, plain, speculative_disable_by_batch_size=2)
+    assert _run(llm, [GOOD, BAD]) == [plain[tuple(GOOD)], plain[tuple(BAD)]]
+    assert proposer.budgets[tuple(GOOD)] == [] and proposer.budgets[tuple(BAD)] == []  # 2 running: never drafted
+    assert llm.llm_engine.engine_core.scheduler.spec_stats_total.num_drafts == 0
+    assert _run(llm, [GOOD]) == [plain[tuple(GOOD)]]
+    assert proposer.budgets[tuple(GOOD)] and llm.llm_engine.engine_core.scheduler.spec_stats_total.num_drafts > 0
+
+    llm, proposer = _scripted_llm(tiny_llama_dir, plain, num_speculative_tokens_per_batch_size=[[1, 1, 3], [2, 8, 1]])
+    assert _run(llm, [GOOD, BAD]) == [plain[tuple(GOOD)], plain[tuple(BAD)]]
+    assert set(proposer.budgets[tuple(GOOD)]) == {1}
+    assert _run(llm, [GOOD]) == [plain[tuple(GOOD)]]
+    assert max(proposer.budgets[tuple(GOOD)]) == 3

@@ -103,3 +103,12 @@ def test_register_custom_proposer_and_duplicate_rejected():
         register_proposer("unit-test-echo")(type("Other", (Echo,), {}))
     with pytest.raises(ValueError, match="not a Proposer"):
         register_proposer("unit-test-bad")(int)  # type: ignore[arg-type]
+
+
+def test_speculative_disable_by_batch_size_key():
+    cfg = SpeculativeConfig.from_json({"method": "suffix", "speculative_disable_by_batch_size": 4})
+    assert cfg.speculative_disable_by_batch_size == 4
+    for bad in (1, 0, "4", True):
+        with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
+            SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 2,
+                                         "speculative_disable_by_batch_size": bad})

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ascent.spec_decode.dynamic import (AcceptanceStats, DynamicSpecParams, DynamicSpecScheduler,
-                                        build_batch_size_lookup, validate_batch_size_schedule)
+from ascent.spec_decode.dynamic import (AcceptanceStats, DraftGate, DynamicSpecParams, DynamicSpecScheduler,
+                                        batch_size_k, build_batch_size_lookup, validate_batch_size_schedule)
 
 # ---------------------------------------------------------------------------------------------- batch-size schedule
 
@@ -143,3 +143,52 @@ def test_lengths_follow_acceptance_statistics_within_budget():
             stats.record(r, int(n), accepted)
     keep = dict(zip(reqs, sched.update(stats.token_probs(reqs))))
     assert keep["good"] > keep["mid"] >= keep["bad"] and keep["bad"] == 1, keep
+
+
+# ---------------------------------------------------------------------------------------------- batch-size cap, gate
+
+
+def test_batch_size_k_matches_the_dense_lookup():
+    schedule = validate_batch_size_schedule([[1, 2, 5], [4, 6, 2], [10, 12, 0]])
+    lookup = build_batch_size_lookup(schedule, max_batch_size=14, max_k=4)
+    assert [batch_size_k(schedule, bs, 4) for bs in range(15)] == lookup
+    assert batch_size_k(schedule, 1000, 4) == 0 and batch_size_k(schedule, 3, 1) == 1
+
+
+def test_draft_gate_cuts_low_survival_to_zero_and_reprobes():
+    gate = DraftGate(min_survival=0.3, probe_interval=3)
+    probs = np.array([[0.9, 0.8, 0.5], [0.2, 0.9, 0.9], [0.6, 0.4, 0.9]])  # survival .9 .72 .36 / .2 / .6 .24
+    keep = np.array([3, 3, 1])
+    assert gate.apply(["a", "b", "c"], probs, keep).tolist() == [3, 0, 1]
+    assert gate.apply(["a", "b", "c"], probs, keep).tolist() == [3, 0, 1]
+    assert gate.apply(["a", "b", "c"], probs, keep).tolist() == [3, 1, 1]  # "b" idle for 3 steps: one probe
+    assert gate.apply(["b"], probs[1:2], keep[1:2]).tolist() == [0]  # the idle count restarts after a probe
+    gate.remove("b")
+    off = DraftGate(0.0, probe_interval=2)  # no cut; a request at 0 (zero budget) is still probed
+    assert off.apply(["x"], probs[1:2], np.array([0])).tolist() == [0]
+    assert off.apply(["x"], probs[1:2], np.array([0])).tolist() == [1]
+    with pytest.raises(ValueError):
+        DraftGate(1.5)
+    with pytest.raises(ValueError, match="min_draft_survival"):
+        DynamicSpecParams(min_draft_survival=-0.1)
+    with pytest.raises(ValueError, match="probe_interval"):
+        DynamicSpecParams(probe_interval=0)
+
+
+def test_always_rejected_request_drops_to_zero_with_probes():
+    """AcceptanceStats + scheduler + gate: a request that never gets a draft accepted ends up drafting only on
+    probe steps, while an always-accepted one keeps k."""
+    k = 3
+    params = DynamicSpecParams(min_draft_survival=0.25, probe_interval=4)
+    stats, sched, gate = AcceptanceStats(k), DynamicSpecScheduler(k, params), DraftGate(0.25, 4)
+    history = {"good": [], "bad": []}
+    for _ in range(60):
+        probs = stats.token_probs(list(history))
+        keep = gate.apply(list(history), probs, sched.update(probs))
+        for r, n in zip(history, keep):
+            history[r].append(int(n))
+            if n:
+                stats.record(r, int(n), int(n) if r == "good" else 0)
+    bad_tail = history["bad"][-20:]
+    assert bad_tail.count(0) >= 14 and 0 < sum(bad_tail) <= 6 and max(bad_tail) == 1
+    assert history["good"][-10:] == [k] * 10
