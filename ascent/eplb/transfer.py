@@ -4,8 +4,9 @@ Every rank derives the same transfer list from the old and new placements (pure 
 its sends (from the current, old-placement slots) and receives (into fresh buffers) as one ``batch_isend_irecv`` per
 layer, waits, and then lets ``FusedMoE.rearrange_experts`` switch the map and copy the weights in: local copies for
 experts this rank already held, the received buffers (through :func:`make_fetch`) for the others. Since receives land
-in buffers, a rank may send an expert it evicts in the same layer. gloo needs CPU tensors (CUDA + gloo would stage
-through host buffers; not done here).
+in buffers, a rank may send an expert it evicts in the same layer. An expert travels as all of its tensors
+(``FusedMoE.expert_tensor_names``: quantized weights with their scales / offsets). gloo needs CPU tensors (CUDA +
+gloo would stage through host buffers; not done here).
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ def _post_ops(layer: FusedMoE, transfers: list[Transfer], group: GroupCoordinato
             for tensor in layer.expert_weights(t.src_slot):
                 ops.append(dist.P2POp(dist.isend, tensor.contiguous(), group.ranks[t.dst_rank], group.device_group))
         if t.dst_rank == me:
-            w13, w2 = (torch.empty_like(w) for w in layer.expert_weights(0))
-            received[t.logical] = (w13, w2)
-            for tensor in (w13, w2):
+            buffers = tuple(torch.empty_like(w) for w in layer.expert_weights(0))  # every expert tensor
+            received[t.logical] = buffers
+            for tensor in buffers:
                 ops.append(dist.P2POp(dist.irecv, tensor, group.ranks[t.src_rank], group.device_group))
     return ops, received
 
@@ -100,5 +101,5 @@ def exchange_layer(layer: FusedMoE, new_physical_to_logical: torch.Tensor, group
         for req in dist.batch_isend_irecv(ops):
             req.wait()
     moves = layer.rearrange_experts(new, make_fetch(received))
-    nbytes = sum(w.numel() * w.element_size() for pair in received.values() for w in pair)
+    nbytes = sum(w.numel() * w.element_size() for tensors in received.values() for w in tensors)
     return LayerMoveResult(moves, transfers, nbytes)

@@ -191,12 +191,11 @@ class EplbUpdator:
             if torch.equal(new[index], old[index]):
                 continue
             result = exchange_layer(layer, new[index].flatten(), self.ep_group)
-            w13, w2 = layer.expert_weights(0)
+            expert_bytes = sum(w.numel() * w.element_size() for w in layer.expert_weights(0))
             stats.changed_layers += 1
             stats.moves += int((new[index] != old[index]).sum())
             stats.p2p_transfers += len(result.transfers)
-            stats.bytes_moved += len(result.transfers) * (w13.numel() * w13.element_size()
-                                                          + w2.numel() * w2.element_size())
+            stats.bytes_moved += len(result.transfers) * expert_bytes
         if self._cycle_load is not None:
             load = self._cycle_load.sum(0)
             stats.imbalance_before = imbalance(rank_loads(load, old)).tolist()

@@ -16,7 +16,8 @@ Parameters mark their sharded dimensions with ``output_dim`` / ``input_dim`` att
   column-parallel offsets and sizes are divided by ``packed_factor``; along ``input_dim`` the row-parallel narrow
   uses the parameter's local (packed) size already.
 * ``row_parallel_rank0_only=True`` (row-parallel per-output vectors such as W8A8's ``quant_bias``): rank 0 loads the
-  full tensor, ranks != 0 hold zeros (the partial outputs are summed over TP).
+  full tensor, ranks != 0 hold zeros (the partial outputs are summed over TP; the layer's float bias likewise only
+  reaches rank 0's ``apply``).
 
 Weight creation and the matmul go through ``layer.quant_method`` (``UnquantizedLinearMethod`` unless a quantization
 config provides another), so quantization schemes plug in without touching the layers or the models.
@@ -375,7 +376,11 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """``Y = X W^T`` with W split along the input dim; partial outputs are summed over TP (``reduce_results``).
 
-    The bias is added once, after the reduction. ``input_is_parallel=False`` slices a full input to the local part.
+    The bias is counted once: TP rank 0 passes it to ``quant_method.apply`` (into its partial output, before the
+    sum), the other ranks pass None — vLLM's contract, the same on every TP size, so a quantization scheme whose
+    parameters fold the float bias (ModelSlim W8A8 static: ``quant_bias``, loaded on rank 0 only) may ignore the
+    argument, and with ``reduce_results=False`` the caller's later sum still counts it once.
+    ``input_is_parallel=False`` slices a full input to the local part.
     """
 
     def __init__(
@@ -419,12 +424,10 @@ class RowParallelLinear(LinearBase):
         if not self.input_is_parallel and self.tp_size > 1:
             size = self.input_size_per_partition
             x = x.narrow(-1, self.tp_rank * size, size)
-        if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
-        out = self.quant_method.apply(self, x, None)
-        if self.reduce_results:
+        out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
-        return out + self.bias if self.bias is not None else out
+        return out
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:

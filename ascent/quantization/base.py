@@ -125,6 +125,16 @@ class QuantLinearScheme(QuantScheme):
             y = y + bias.float()
         return y.to(x.dtype)
 
+    #: Whether :meth:`embedding_rows` works: weight-only formats whose parameters are indexed by output row (W8A16 /
+    #: W4A16) can serve an input embedding table; activation-quantized formats are linear-only (lm_head).
+    supports_embedding: ClassVar[bool] = False
+
+    def embedding_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized weight rows ``[*ids.shape, K]`` (in ``layer.params_dtype``) of the local row indices ``ids``
+        — the lookup of a quantized input embedding (rows = vocab entries). Only where :attr:`supports_embedding`."""
+        raise NotImplementedError(f"{self.quant_type or type(self).__name__} weights cannot be looked up as an "
+                                  f"embedding table")
+
 
 class QuantMoEScheme(QuantScheme):
     """Quantized routed experts of a ``FusedMoE`` layer (``w13`` = gate rows then up rows, ``w2`` = down)."""
@@ -146,6 +156,13 @@ class QuantMoEScheme(QuantScheme):
                       activation: str) -> torch.Tensor:
         """Expert MLP over rows grouped by local slot: ``x [R, H]`` (rows sorted by slot), ``group_list [S]`` rows
         per slot -> ``[R, H]`` in x's dtype (routing weights are applied by the caller)."""
+
+    def experts_moved(self, layer: nn.Module, slots: list[int]) -> None:
+        """EPLB moved whole experts into the local ``slots`` (``FusedMoE.rearrange_experts`` copied every ``moe_role``
+        parameter of those slots). Schemes that derive state from the expert parameters in
+        ``process_weights_after_loading`` (dense-weight caches, packed kernel operands, int8 copies) must rebuild or
+        invalidate it here; the default (no derived state) does nothing."""
+        return None
 
 
 class QuantAttentionScheme(QuantScheme):

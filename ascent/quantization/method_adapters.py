@@ -8,8 +8,12 @@ wraps the registry's scheme:
 * ``FusedMoE`` -> :class:`QuantMoEMethod` (exposes the scheme's ``create_weights`` / ``apply_experts`` /
   ``dequantized_weights`` / ``process_weights_after_loading``);
 * attention layers -> :class:`QuantKVCacheMethod` (``create_weights`` / ``quantize_kv`` / ``dequantize_kv``);
-* embeddings and lm_head stay unquantized (None); a quantized spec for them is a NotImplementedError naming
-  ``quant_type`` and ``layer_type``.
+* ``VocabParallelEmbedding`` / ``ParallelLMHead`` -> :class:`QuantEmbeddingMethod` (vLLM Ascend's
+  ``AscendEmbeddingMethod``: the *linear* scheme of the layer's quant type, e.g. a ModelSlim description with
+  ``"lm_head.weight": "W8A16"`` or a compressed-tensors group targeting ``Linear`` without ``ignore: [lm_head]``).
+  The lm_head runs the scheme's ``apply``; an input embedding table needs a weight-only scheme that can dequantize
+  looked-up rows (``supports_embedding``: W8A16 / W4A16), any other quant type is a NotImplementedError naming
+  ``quant_type`` and ``layer_type='embedding'`` (vLLM Ascend has no quantized lookup either).
 
 The registry is ``config.registry`` when the config has one (the 310P ModelSlim config always does), else the
 registry of the current hardware profile. ``W8A8SC`` is rejected with one clear ValueError for every registry.
@@ -17,6 +21,7 @@ registry of the current hardware profile. ``W8A8SC`` is rejected with one clear 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -108,6 +113,19 @@ class QuantMoEMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.scheme.process_weights_after_loading(layer)
 
+    def experts_moved(self, layer: nn.Module, slots: list[int]) -> None:
+        """EPLB refilled ``slots``: let the scheme rebuild what it derived from them."""
+        self.scheme.experts_moved(layer, slots)
+
+
+class QuantEmbeddingMethod(QuantLinearMethod):
+    """The quant method of a ``VocabParallelEmbedding`` (rows = vocab entries, K = embedding dim) or
+    ``ParallelLMHead`` (``apply``: ``hidden @ W^T``), delegating to a :class:`QuantLinearScheme`."""
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows ``[*ids.shape, K]`` of the local row indices ``ids``."""
+        return self.scheme.embedding_rows(layer, ids)
+
 
 class QuantKVCacheMethod:
     """The quant method of an attention layer (KV-cache quantization), delegating to a :class:`QuantAttentionScheme`."""
@@ -164,9 +182,7 @@ def quant_method_for(config: QuantizationConfig, layer: nn.Module, prefix: str) 
     if spec is None:
         return None
     if layer_type == "embedding":
-        raise NotImplementedError(
-            f"Unsupported quant_type={spec.quant_type!r} for layer_type='embedding' ({prefix!r}): embeddings and "
-            f"lm_head load unquantized only; mark them FLOAT / ignore them in the quantization config")
+        return _embedding_method(config, layer, spec, prefix)
     if spec.layer_type != layer_type:
         raise ValueError(f"{prefix}: config returned a {spec.layer_type!r} spec for a {layer_type!r} layer")
     scheme = create_scheme(registry_of(config), spec, prefix)
@@ -174,3 +190,23 @@ def quant_method_for(config: QuantizationConfig, layer: nn.Module, prefix: str) 
     if not isinstance(scheme, base):
         raise TypeError(f"scheme {type(scheme).__name__} for {spec.quant_type}/{layer_type} is not a {base.__name__}")
     return wrapper(scheme)
+
+
+def _embedding_method(config: QuantizationConfig, layer: nn.Module, spec: QuantSpec, prefix: str
+                      ) -> QuantEmbeddingMethod:
+    """The linear scheme of ``spec.quant_type`` for an embedding / lm_head (see the module docstring)."""
+    from ascent.layers.embed_head import ParallelLMHead
+
+    try:
+        scheme = create_scheme(registry_of(config), dataclasses.replace(spec, layer_type="linear"), prefix)
+    except NotImplementedError as exc:
+        raise NotImplementedError(f"Unsupported quant_type={spec.quant_type!r} for layer_type='embedding' "
+                                  f"({prefix!r}): no linear scheme for it ({exc})") from None
+    if not isinstance(scheme, QuantLinearScheme):
+        raise TypeError(f"scheme {type(scheme).__name__} for {spec.quant_type}/embedding is not a QuantLinearScheme")
+    if not isinstance(layer, ParallelLMHead) and not scheme.supports_embedding:
+        raise NotImplementedError(
+            f"Unsupported quant_type={spec.quant_type!r} for layer_type='embedding' ({prefix!r}): an input embedding "
+            f"table can only be looked up from weight-only per-row formats (W8A16, W4A16); {spec.quant_type} is "
+            f"supported on the lm_head only. Mark {prefix} FLOAT / ignore it in the quantization config")
+    return QuantEmbeddingMethod(scheme)

@@ -29,7 +29,7 @@ from ascent.platform.adaptor import get_device_adaptor
 from ascent.platform.device_config import get_current_profile
 
 SHARD_IDS = ("w1", "w2", "w3")
-ExpertWeights = tuple[torch.Tensor, torch.Tensor]
+ExpertWeights = tuple[torch.Tensor, ...]  # one view per expert tensor of a slot, in expert_tensor_names() order
 
 
 def make_expert_params_mapping(num_experts: int, ckpt_gate_proj_name: str = "gate_proj",
@@ -196,38 +196,60 @@ class FusedMoE(nn.Module):
             dst.narrow(0, 0 if shard_id == "w1" else size, size).copy_(loaded.narrow(0, rank * size, size))
 
     # ----- EPLB: placement updates -----
+    def expert_tensor_names(self) -> tuple[str, ...]:
+        """Names of the per-slot tensors (dim 0 = local slot) that together hold one expert, in a fixed order (the
+        same on every rank): ``("w13_weight", "w2_weight")`` unquantized; with a quant method every parameter it
+        registered with a ``moe_role`` (int8 / packed int4 weights, per-channel / per-group scales, offsets, scale
+        biases, shape records ...), in registration order."""
+        if self.quant_method is None:
+            return ("w13_weight", "w2_weight")
+        return tuple(name for name, param in self.named_parameters(recurse=False)
+                     if getattr(param, "moe_role", None) is not None)
+
     def expert_weights(self, local_slot: int) -> ExpertWeights:
-        """Views ``(w13 [2*I_tp, H], w2 [H, I_tp])`` of a local slot."""
-        return self.w13_weight.data[local_slot], self.w2_weight.data[local_slot]
+        """Views of every expert tensor of a local slot (``expert_tensor_names`` order); unquantized
+        ``(w13 [2*I_tp, H], w2 [H, I_tp])``."""
+        return tuple(getattr(self, name).data[local_slot] for name in self.expert_tensor_names())
+
+    def _check_expert_weights(self, weights: ExpertWeights, logical: int) -> None:
+        names = self.expert_tensor_names()
+        if len(weights) != len(names):
+            raise ValueError(f"{self.prefix}: weights for expert {logical} have {len(weights)} tensors, the layer's "
+                             f"experts have {len(names)} ({', '.join(names)})")
+        for name, got in zip(names, weights):
+            want = getattr(self, name).data
+            if tuple(got.shape) != tuple(want.shape[1:]) or got.dtype != want.dtype:
+                raise ValueError(f"{self.prefix}: weights for expert {logical}: {name} has shape "
+                                 f"{tuple(got.shape)} {got.dtype}, expected {tuple(want.shape[1:])} {want.dtype}")
 
     def rearrange_experts(self, new_physical_to_logical: Sequence[int] | torch.Tensor,
                           fetch: Callable[[ExpertMove], ExpertWeights] | None = None) -> list[ExpertMove]:
-        """Adopt a new placement and refill the local slots whose expert changed. A slot's new weights are copied
-        from a local slot that held that expert before; otherwise ``fetch(move)`` must return them (e.g. received
-        from ``move.sources`` on another rank). ValueError (and no change) when a slot cannot be filled."""
-        if self.quant_method is not None:
-            raise NotImplementedError(f"{self.prefix}: EPLB expert rearrangement of quantized experts is not "
-                                      f"supported (their scales and packed layouts would have to move too)")
+        """Adopt a new placement and refill the local slots whose expert changed. A slot's new tensors (all of
+        ``expert_tensor_names``: quantized weights move with their scales / offsets) are copied from a local slot
+        that held that expert before; otherwise ``fetch(move)`` must return them (e.g. received from
+        ``move.sources`` on another rank). ValueError (and no change) when a slot cannot be filled. Afterwards a
+        quant method's ``experts_moved(layer, slots)`` rebuilds the caches it derived from the moved slots."""
         moves = self.expert_map.plan_placement(new_physical_to_logical)
         start, s = self.expert_map.local_start, self.expert_map.num_local
         fresh: list[ExpertWeights] = []
         for move in moves:
             local = [p - start for p in move.sources if start <= p < start + s]
             if local:
-                w13, w2 = self.expert_weights(local[0])
+                weights = self.expert_weights(local[0])
             elif fetch is not None:
-                w13, w2 = fetch(move)
+                weights = tuple(fetch(move))
             else:
                 raise ValueError(f"local slot {move.local_slot} needs expert {move.new_logical}, held only by "
                                  f"physical slots {list(move.sources)} elsewhere, and no fetch was given")
-            if w13.shape != self.w13_weight.shape[1:] or w2.shape != self.w2_weight.shape[1:]:
-                raise ValueError(f"weights for expert {move.new_logical} have shapes {tuple(w13.shape)}, "
-                                 f"{tuple(w2.shape)}")
-            fresh.append((w13.clone(), w2.clone()))
+            self._check_expert_weights(weights, move.new_logical)
+            fresh.append(tuple(w.clone() for w in weights))
         self.expert_map.update_placement(new_physical_to_logical)
-        for move, (w13, w2) in zip(moves, fresh):
-            self.w13_weight.data[move.local_slot].copy_(w13)
-            self.w2_weight.data[move.local_slot].copy_(w2)
+        names = self.expert_tensor_names()
+        for move, weights in zip(moves, fresh):
+            for name, w in zip(names, weights):
+                getattr(self, name).data[move.local_slot].copy_(w)
+        if moves and self.quant_method is not None:
+            self.quant_method.experts_moved(self, sorted({m.local_slot for m in moves}))
         return moves
 
     # ----- forward -----

@@ -1,6 +1,6 @@
 """ModelOpt MXFP8 config (``quant_method`` ``modelopt_mxfp8`` / ``mxfp8``, or ``quant_algo: "MXFP8"``).
 
-Linear, lm_head (unless excluded; the engine has no quantized lm_head yet, so that is an error) and MoE layers
+Linear, lm_head (unless excluded; it runs the linear scheme, ``method_adapters.QuantEmbeddingMethod``) and MoE layers
 use ``W8A8_MXFP8`` (weight float8_e4m3fn ``[N, K]``, ``weight_scale`` uint8
 E8M0 ``[N, K/32]``, dynamic MXFP8 activations); ``exclude_modules`` patterns (fnmatch wildcards or plain names) and
 every vision-tower prefix stay unquantized; embeddings and the KV cache stay native.

@@ -61,6 +61,12 @@ class Int8DynamicExperts(QuantMoEScheme):
         layer.moe_s13 = s13.float().reshape(q13.shape[0], -1).contiguous()
         layer.moe_s2 = s2.float().reshape(q2.shape[0], -1).contiguous()
 
+    def experts_moved(self, layer: nn.Module, slots: list[int]) -> None:
+        """Rebuild the ``moe_*`` operands from the (moved) parameters: after ``process_weights_after_loading`` the
+        ``w13_weight`` / ``w2_weight`` parameters hold the int8-domain values (ModelSlim int4 pairs unpacked)."""
+        self.set_int8_experts(layer, layer.w13_weight.detach(), layer.w13_weight_scale.detach(),
+                              layer.w2_weight.detach(), layer.w2_weight_scale.detach())
+
     def dequantized_weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         return (layer.moe_q13.float() * layer.moe_s13.unsqueeze(-1),
                 layer.moe_q2.float() * layer.moe_s2.unsqueeze(-1))

@@ -9,6 +9,8 @@ Parameters: ``w13_weight_packed`` int32 [S, 2I, H/8], ``w13_weight_scale`` [S, 2
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -70,14 +72,39 @@ class W4A16MoE(QuantMoEScheme):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.moe_dense = {}
         layer.moe_i4 = None
-        q13, q2 = self.int_weights(layer)
-        s13, s2 = layer.w13_weight_scale.detach(), layer.w2_weight_scale.detach()
-        g13 = int4pack_group_size(q13.shape[1], q13.shape[2], q13.shape[2] // s13.shape[2])
-        g2 = int4pack_group_size(q2.shape[1], q2.shape[2], q2.shape[2] // s2.shape[2])
-        if g13 is None or g2 is None or q13.device.type != "cpu":
-            return
-        layer.moe_i4 = [(prepare_int4pack(q13[e], s13[e], None, g13), g13, prepare_int4pack(q2[e], s2[e], None, g2),
-                         g2) for e in range(q13.shape[0])]
+        if self._int4pack_groups(layer) is not None:
+            layer.moe_i4 = [None] * layer.w13_weight_packed.shape[0]
+            self._build_int4pack(layer, range(layer.w13_weight_packed.shape[0]))
+
+    def _int4pack_groups(self, layer: nn.Module) -> tuple[int, int] | None:
+        """Group sizes ``(g13, g2)`` of the int4pack kernel operands, or None when the shapes / device do not fit."""
+        p13, p2 = layer.w13_weight_packed, layer.w2_weight_packed
+        s13, s2 = layer.w13_weight_scale, layer.w2_weight_scale
+        k13, k2 = p13.shape[2] * 8, p2.shape[2] * 8
+        g13 = int4pack_group_size(p13.shape[1], k13, k13 // s13.shape[2])
+        g2 = int4pack_group_size(p2.shape[1], k2, k2 // s2.shape[2])
+        if g13 is None or g2 is None or p13.device.type != "cpu":
+            return None
+        return g13, g2
+
+    def _build_int4pack(self, layer: nn.Module, slots: Iterable[int]) -> None:
+        """(Re)build ``layer.moe_i4[e]`` for the given local slots from the packed weights and scales."""
+        groups = self._int4pack_groups(layer)
+        if groups is None or layer.moe_i4 is None:
+            raise RuntimeError(f"{layer_name(layer)}: the int4pack kernel does not take these experts' shapes")
+        g13, g2 = groups
+        for e in slots:
+            p13, p2 = layer.w13_weight_packed.detach()[e], layer.w2_weight_packed.detach()[e]
+            q13 = unpack_from_int32(p13, 4, p13.shape[-1] * 8, dim=-1)
+            q2 = unpack_from_int32(p2, 4, p2.shape[-1] * 8, dim=-1)
+            layer.moe_i4[e] = (prepare_int4pack(q13, layer.w13_weight_scale.detach()[e], None, g13), g13,
+                               prepare_int4pack(q2, layer.w2_weight_scale.detach()[e], None, g2), g2)
+
+    def experts_moved(self, layer: nn.Module, slots: list[int]) -> None:
+        """Drop the dequantized-weight cache and rebuild the int4pack operands of the refilled slots."""
+        layer.moe_dense = {}
+        if layer.moe_i4 is not None:
+            self._build_int4pack(layer, slots)
 
     def _dense(self, layer: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype not in layer.moe_dense:

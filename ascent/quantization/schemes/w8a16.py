@@ -116,6 +116,23 @@ class WeightOnlyLinear(QuantLinearScheme):
             q = q - expand_groups(layer.wo_zero, q.shape[1])
         return q * expand_groups(layer.wo_scale, q.shape[1])
 
+    supports_embedding = True
+
+    def embedding_rows(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Only the looked-up rows are dequantized: ``(q[ids] - zp[ids]) * s[ids]`` (per-channel scales are per
+        vocab row; per-group scales per row and K-group)."""
+        flat = ids.reshape(-1)
+        if self.packed_checkpoint:
+            packed = layer.weight_packed.detach()[flat]
+            q = unpack_from_int32(packed, self.bits, packed.shape[1] * (32 // self.bits), dim=1)
+        else:
+            q = layer.weight.detach()[flat]
+        w = q.float()
+        if layer.wo_zero is not None:
+            w = w - expand_groups(layer.wo_zero[flat], w.shape[1])
+        w = w * expand_groups(layer.wo_scale[flat], w.shape[1])
+        return w.to(getattr(layer, "params_dtype", torch.float32)).reshape(*ids.shape, w.shape[1])
+
 
 def create_packed_weights(scheme: WeightOnlyLinear, layer: nn.Module, n: int, k: int,
                           output_partition_sizes: list[int], weight_loader: WeightLoader) -> None:
