@@ -15,11 +15,12 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32 
 
 from ascent.distributed import parallel_state as ps
 from ascent.eplb.transfer import exchange_layer
-from ascent.layers.fused_moe import FusedMoE, make_expert_params_mapping
+from ascent.layers.fused_moe import FusedMoE
 from ascent.quantization.base import QuantSpec
 from tests.fixtures.spawn import run_spawned
-from tests.unit.quant.scheme_utils import SpecConfig, gaussian, t
-from tests.unit.quant.test_moe_schemes import E, H, I, TOP_K, float_experts, modelslim_w4a8_experts, quantize_experts
+from tests.unit.quant.scheme_utils import gaussian, t
+from tests.unit.quant.test_moe_schemes import build as build_quantized_moe
+from tests.unit.quant.test_moe_schemes import E, H, float_experts, modelslim_w4a8_experts, quantize_experts
 
 WORLD, TIMEOUT_S = 2, 120.0
 CASES = ("w8a8_dynamic", "w4a8_modelslim", "w4a8_ct", "w4a16_g32")
@@ -54,19 +55,8 @@ def checkpoint(name: str) -> tuple[QuantSpec, dict[str, np.ndarray | torch.Tenso
 
 
 def build(name: str, **moe_kwargs) -> FusedMoE:
-    """A quantized FusedMoE loaded through its weight loaders (experts not local to this EP rank are skipped)."""
-    spec, ck, suffixes = checkpoint(name)
-    layer = FusedMoE(E, TOP_K, H, I, torch.float32, prefix="model.layers.0.mlp.experts",
-                     quant_config=SpecConfig(spec), **moe_kwargs)
-    params = dict(layer.named_parameters())
-    for param_name, fragment, expert, shard in make_expert_params_mapping(E):
-        for suffix in suffixes:
-            param = params[param_name.removeprefix("experts.").replace("weight", suffix)]
-            value = ck[fragment + suffix]
-            param.weight_loader(param, value if isinstance(value, torch.Tensor) else t(value), fragment + suffix,
-                                shard, expert)
-    layer.quant_method.process_weights_after_loading(layer)
-    return layer
+    """The quantized FusedMoE of format ``name`` (see ``checkpoint``)."""
+    return build_quantized_moe(*checkpoint(name), **moe_kwargs)
 
 
 def inputs(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,9 +37,11 @@ def quantize_experts(fw: dict[str, np.ndarray], bits: int, group: int | None = N
     return out
 
 
-def build(spec: QuantSpec, ck: dict[str, np.ndarray | torch.Tensor], suffixes: tuple[str, ...]) -> FusedMoE:
+def build(spec: QuantSpec, ck: dict[str, np.ndarray | torch.Tensor], suffixes: tuple[str, ...],
+          **moe_kwargs) -> FusedMoE:
+    """A quantized FusedMoE loaded through its weight loaders (experts not local to this EP rank are skipped)."""
     layer = FusedMoE(E, TOP_K, H, I, torch.float32, prefix="model.layers.0.mlp.experts",
-                     quant_config=SpecConfig(spec))
+                     quant_config=SpecConfig(spec), **moe_kwargs)
     params = dict(layer.named_parameters())
     for param_name, fragment, expert, shard in make_expert_params_mapping(E):
         for suffix in suffixes:
