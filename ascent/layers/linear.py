@@ -29,10 +29,9 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ascent.layers.cpu_packing import pack_linear_weight, packed_linear
+from ascent.layers.cpu_packing import cpu_linear, pack_linear_weight, small_m_kernel
 from ascent.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -101,17 +100,19 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """On CPU, pack bf16/fp16 weights for oneDNN once; the dense copy is released (the packed one replaces it)."""
+        """On CPU, pack bf16/fp16 weights for oneDNN once; the plain rows stay only for the small-M kernel (see
+        ``ascent.layers.cpu_packing``), otherwise the packed copy replaces them."""
         packed = pack_linear_weight(layer.weight)
+        layer.small_m_ops = small_m_kernel(layer.weight)
         if packed is not None:
             layer.packed_weight = packed
-            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
+            layer.owns_plain_weight = layer.small_m_ops is not None
+            if layer.small_m_ops is None:
+                layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        packed = getattr(layer, "packed_weight", None)
-        if packed is not None and x.dtype == packed.dtype:
-            return packed_linear(x, packed, bias)
-        return F.linear(x, layer.weight, bias)
+        return cpu_linear(x, layer.weight, getattr(layer, "packed_weight", None), bias,
+                          getattr(layer, "small_m_ops", None))
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, where: str) -> None:

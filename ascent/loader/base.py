@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ascent.layers.cpu_packing import limit_dual_layouts
 from ascent.models.registry import get_model_class
 
 _LOADERS: dict[str, type["ModelLoader"]] = {}
@@ -109,6 +110,7 @@ def finalize_model(model: nn.Module) -> nn.Module:
             method.process_weights_after_loading(module)
         elif callable(getattr(module, "process_weights_after_loading", None)):
             module.process_weights_after_loading()
+    limit_dual_layouts(model)
     return model.eval()
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ascent.layers.cpu_kernels import sampling_ops
+
 RNG_PLACEMENTS = ("device", "host", "host_cdf")
 _TINY = torch.finfo(torch.float32).tiny
 _CPU = torch.device("cpu")
@@ -97,6 +99,9 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     number of cumulative sums ``<= u * total`` (fp64), so zero-weight tokens are never chosen; an index past the end
     (``u * total`` rounding up to ``total``) is clamped to the last positive-weight token.
     """
+    kernels = sampling_ops() if probs.device.type == "cpu" and probs.dtype == torch.float32 else None
+    if kernels is not None:  # same fp64 partial sums in the same order, without materialising the cdf
+        return kernels.inverse_cdf_sample(probs, u.to(dtype=torch.float64))
     cdf = probs.to(torch.float64).cumsum(dim=-1)
     target = (u.to(device=cdf.device, dtype=torch.float64) * cdf[:, -1]).unsqueeze(1)
     idx = torch.searchsorted(cdf, target, right=True).squeeze(1)

@@ -32,20 +32,38 @@ def _build_dir(source_hash: str) -> Path:
     return root / "cpu_kernels" / f"{source_hash}-torch{torch.__version__}-{platform.machine()}"
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> ModuleType | None:
+def _compile_flags() -> list[str]:
+    avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return ["-O3", "-fopenmp"] + (["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"] if avx2 else [])
+
+
+@functools.lru_cache(maxsize=None)
+def load_extension(source_name: str) -> ModuleType | None:
+    """Build (once, cached on disk) and import the C++ extension ``source_name`` of this directory; None on failure.
+
+    Wider ISA paths inside a source (AVX512-BF16, VNNI) use per-function ``target`` attributes with a runtime CPU
+    check, so the module itself only assumes the baseline flags chosen here.
+    """
     from torch.utils import cpp_extension
 
-    flags = ["-O3"] + (["-mavx2", "-mfma", "-ffp-contract=off"] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else [])
-    source_hash = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    source = Path(__file__).with_name(source_name)
+    if not source.is_file():
+        logger.warning("CPU kernel source %s is missing; using torch ops", source)
+        return None
+    flags = _compile_flags()
+    source_hash = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     build_dir = _build_dir(source_hash)
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(name=f"ascent_fused_cpu_{source_hash}", sources=[str(_SOURCE)],
+        return cpp_extension.load(name=f"ascent_{source.stem}_{source_hash}", sources=[str(source)],
                                   extra_cflags=flags, build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # no compiler / headers: fall back to the torch paths, once, loudly
-        logger.warning("fused CPU kernels unavailable (%s: %s); using torch ops", type(exc).__name__, exc)
+        logger.warning("CPU kernels of %s unavailable (%s: %s); using torch ops", source_name, type(exc).__name__, exc)
         return None
+
+
+def _load() -> ModuleType | None:
+    return load_extension(_SOURCE.name)
 
 
 def fused_ops_enabled() -> bool:
@@ -61,3 +79,18 @@ def fused_ops_enabled() -> bool:
 def fused_ops() -> ModuleType | None:
     """The compiled kernel module (built on the first call), or None when the fused kernels do not apply."""
     return _load() if fused_ops_enabled() else None
+
+
+def gemv_ops() -> ModuleType | None:
+    """Small-M (decode) dense GEMV kernels for bf16/fp16 weights (``gemv_cpu.cpp``), or None when not applicable."""
+    return load_extension("gemv_cpu.cpp") if fused_ops_enabled() else None
+
+
+def quant_ops() -> ModuleType | None:
+    """Small-M (decode) integer-weight kernels (``quant_gemv_cpu.cpp``), or None when not applicable."""
+    return load_extension("quant_gemv_cpu.cpp") if fused_ops_enabled() else None
+
+
+def sampling_ops() -> ModuleType | None:
+    """Sampler kernels (``sampling_cpu.cpp``: the fused inverse-CDF draw), or None when not applicable."""
+    return load_extension("sampling_cpu.cpp") if fused_ops_enabled() else None

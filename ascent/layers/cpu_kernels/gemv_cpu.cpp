@@ -1,0 +1,224 @@
+// Small-M dense linear kernels for CPU decode: y[M,N] = x[M,K] @ W[N,K]^T (+ bias[N]).
+//
+// W is the plain row-major [N,K] weight in bf16 or fp16, x has W's dtype, accumulation is fp32 (products of two
+// 16-bit floats are exact in fp32), the result is rounded once to x's dtype, as F.linear does. A decode step is a
+// weight stream: every output row reads its K weights once, so the kernels walk W row-block by row-block (4 rows,
+// contiguous in memory) and reuse each loaded W vector for up to 4 rows of x. Rows are split over torch's intra-op
+// threads. AVX512-BF16 (vdpbf16ps) and AVX512F/AVX2 paths are chosen at run time; a scalar path covers the rest.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kRowBlock = 4;   // output rows per block (W rows streamed together)
+constexpr int64_t kMBlock = 4;     // x rows per pass over a W block
+constexpr int64_t kPrefetchRows = 16;  // software prefetch distance in W rows (prefetching past the end is harmless)
+
+struct GemvArgs {
+  const void* x;      // [M,K], 16-bit float (same type as W)
+  const void* w;      // [N,K]
+  const void* bias;   // [N] in x's dtype, or nullptr
+  void* out;          // [M,N] in x's dtype
+  int64_t m, n, k;
+  bool is_half;       // fp16 (else bf16) for x, W, bias and out
+
+  inline float bias_at(int64_t n_idx) const {
+    if (bias == nullptr) return 0.f;
+    return is_half ? static_cast<float>(static_cast<const c10::Half*>(bias)[n_idx])
+                   : static_cast<float>(static_cast<const c10::BFloat16*>(bias)[n_idx]);
+  }
+  // Adds the bias in fp32 and rounds once to the output dtype (round-to-nearest-even), as F.linear does.
+  inline void store(int64_t m_idx, int64_t n_idx, float acc) const {
+    const float v = acc + bias_at(n_idx);
+    if (is_half) static_cast<c10::Half*>(out)[m_idx * n + n_idx] = c10::Half(v);
+    else static_cast<c10::BFloat16*>(out)[m_idx * n + n_idx] = c10::BFloat16(v);
+  }
+};
+
+// ----------------------------------------------------------------------------------------------------------------
+// Scalar reference path (any CPU).
+template <typename T>
+void gemv_rows_scalar(const GemvArgs& a, int64_t row_begin, int64_t row_end) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* w = static_cast<const T*>(a.w);
+  for (int64_t n = row_begin; n < row_end; ++n) {
+    const T* wr = w + n * a.k;
+    for (int64_t m = 0; m < a.m; ++m) {
+      const T* xr = x + m * a.k;
+      float acc = 0.f;
+      for (int64_t i = 0; i < a.k; ++i) acc += static_cast<float>(wr[i]) * static_cast<float>(xr[i]);
+      a.store(m, n, acc);
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// AVX512-BF16: 32 bf16 products per vdpbf16ps, pairs summed into 16 fp32 lanes. R rows of W x MS rows of x, both
+// compile-time so the R*MS accumulators stay in registers.
+template <int R, int MS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void gemv_block_bf16_dp(const GemvArgs& a, int64_t n0, int64_t m0) {
+  const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.k;
+  const uint16_t* w = static_cast<const uint16_t*>(a.w) + n0 * a.k;
+  __m512 acc[R][MS];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < MS; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t k_main = a.k & ~int64_t(31);
+  for (int64_t i = 0; i < k_main; i += 32) {
+    __m512i xv[MS];
+#pragma GCC unroll 16
+    for (int j = 0; j < MS; ++j) xv[j] = _mm512_loadu_si512(x + j * a.k + i);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + kPrefetchRows) * a.k + i), _MM_HINT_T0);
+      const __m512i wv = _mm512_loadu_si512(w + r * a.k + i);
+#pragma GCC unroll 16
+      for (int j = 0; j < MS; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv, (__m512bh)xv[j]);
+    }
+  }
+  if (k_main < a.k) {
+    const __mmask32 mask = (__mmask32(1) << (a.k - k_main)) - 1;
+    __m512i xv[MS];
+#pragma GCC unroll 16
+    for (int j = 0; j < MS; ++j) xv[j] = _mm512_maskz_loadu_epi16(mask, x + j * a.k + k_main);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512i wv = _mm512_maskz_loadu_epi16(mask, w + r * a.k + k_main);
+#pragma GCC unroll 16
+      for (int j = 0; j < MS; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)wv, (__m512bh)xv[j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < MS; ++j)
+      a.store(m0 + j, n0 + r, _mm512_reduce_add_ps(acc[r][j]));
+}
+
+template <int R>
+void gemv_rows_bf16_dp(const GemvArgs& a, int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= a.m; m0 += 4) gemv_block_bf16_dp<R, 4>(a, n0, m0);
+  switch (a.m - m0) {
+    case 3: gemv_block_bf16_dp<R, 3>(a, n0, m0); break;
+    case 2: gemv_block_bf16_dp<R, 2>(a, n0, m0); break;
+    case 1: gemv_block_bf16_dp<R, 1>(a, n0, m0); break;
+    default: break;
+  }
+}
+
+// AVX512F: widen 16 halves/bf16 to fp32 and FMA (fp16 weights, or bf16 without AVX512-BF16).
+template <bool kIsHalf>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+inline __m512 widen16_512(const uint16_t* p, __mmask16 mask) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
+  if constexpr (kIsHalf) return _mm512_cvtph_ps(raw);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+template <bool kIsHalf>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+void gemv_block_fma512(const GemvArgs& a, int64_t n0, int64_t rows, int64_t m0, int64_t ms) {
+  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  const uint16_t* w = static_cast<const uint16_t*>(a.w);
+  __m512 acc[kRowBlock][kMBlock];
+  for (int r = 0; r < kRowBlock; ++r)
+    for (int j = 0; j < kMBlock; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < a.k; i += 16) {
+    const int64_t left = a.k - i;
+    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    __m512 xv[kMBlock];
+    for (int j = 0; j < kMBlock; ++j)
+      xv[j] = j < ms ? widen16_512<kIsHalf>(x + (m0 + j) * a.k + i, mask) : _mm512_setzero_ps();
+    for (int r = 0; r < kRowBlock; ++r) {
+      if (r >= rows) break;
+      const __m512 wv = widen16_512<kIsHalf>(w + (n0 + r) * a.k + i, mask);
+      for (int j = 0; j < kMBlock; ++j)
+        if (j < ms) acc[r][j] = _mm512_fmadd_ps(wv, xv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < ms; ++j)
+      a.store(m0 + j, n0 + r, _mm512_reduce_add_ps(acc[r][j]));
+}
+
+enum class Path { kScalar, kFma512, kBf16Dot };
+
+Path pick_path(bool is_half) {
+  static const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+  static const bool has_bf16_dot = has512 && __builtin_cpu_supports("avx512bf16");
+  if (!is_half && has_bf16_dot) return Path::kBf16Dot;
+  return has512 ? Path::kFma512 : Path::kScalar;
+}
+
+void run_rows(const GemvArgs& a, Path path, bool is_half, int64_t row_begin, int64_t row_end) {
+  if (path == Path::kScalar) {
+    if (is_half) gemv_rows_scalar<c10::Half>(a, row_begin, row_end);
+    else gemv_rows_scalar<c10::BFloat16>(a, row_begin, row_end);
+    return;
+  }
+  if (path == Path::kBf16Dot) {
+    int64_t n0 = row_begin;
+    for (; n0 + kRowBlock <= row_end; n0 += kRowBlock) gemv_rows_bf16_dp<kRowBlock>(a, n0);
+    for (; n0 < row_end; ++n0) gemv_rows_bf16_dp<1>(a, n0);
+    return;
+  }
+  for (int64_t n0 = row_begin; n0 < row_end; n0 += kRowBlock) {
+    const int64_t rows = std::min(kRowBlock, row_end - n0);
+    for (int64_t m0 = 0; m0 < a.m; m0 += kMBlock) {
+      const int64_t ms = std::min(kMBlock, a.m - m0);
+      if (path == Path::kBf16Dot) continue;
+      if (is_half) gemv_block_fma512<true>(a, n0, rows, m0, ms);
+      else gemv_block_fma512<false>(a, n0, rows, m0, ms);
+    }
+  }
+}
+
+}  // namespace
+
+// x [..., K] (bf16/fp16), weight [N, K] (same dtype, contiguous), bias [N] (same dtype) or None
+// -> [..., N] in x's dtype.
+torch::Tensor linear_small_m(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_small_m: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "linear_small_m: x dtype ", x.scalar_type(),
+              " != weight dtype ", weight.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "linear_small_m: bf16/fp16 only, got ", x.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "linear_small_m: weight must be a contiguous [N, K]");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "linear_small_m: x last dim ", x.size(-1),
+              " != weight K ", weight.size(1));
+  const int64_t n = weight.size(0), k = weight.size(1);
+  auto x2 = x.reshape({-1, k}).contiguous();
+  const int64_t m = x2.size(0);
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == x.scalar_type() && bias->is_contiguous(),
+                "linear_small_m: bias must be a contiguous [", n, "] in x's dtype");
+  }
+  auto out = torch::empty({m, n}, x.options());
+  const bool is_half = x.scalar_type() == at::kHalf;
+  const Path path = pick_path(is_half);
+  GemvArgs a{x2.data_ptr(), weight.data_ptr(), has_bias ? bias->data_ptr() : nullptr, out.data_ptr(), m, n, k,
+             is_half};
+  const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k));  // >= ~32 KiB of weights per task
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    run_rows(a, path, is_half, b0 * kRowBlock, std::min(n, b1 * kRowBlock));
+  });
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  return out.view(out_sizes);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_small_m", &linear_small_m, "y = x @ W^T (+ bias) for small M, bf16/fp16, fp32 accumulation",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+}

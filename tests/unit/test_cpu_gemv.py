@@ -1,0 +1,142 @@
+"""The small-M C++ linear kernel (``gemv_cpu.cpp``) and the CPU linear dispatch around it (``cpu_packing``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ascent.layers import cpu_kernels, cpu_packing
+
+
+@pytest.fixture(scope="module")
+def gemv():
+    module = cpu_kernels.gemv_ops()
+    assert module is not None, "the small-M kernel must build on the CPU profile (g++ is part of the setup)"
+    return module
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of each element of a bf16/fp16 tensor, in fp32."""
+    bits = 8 if x.dtype == torch.bfloat16 else 11
+    exp = torch.frexp(x.float().abs().clamp_min(torch.finfo(x.dtype).tiny))[1]
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), exp - bits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n,k", [(96, 64), (37, 100), (260, 576), (5, 33)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_fp32_reference_within_one_ulp(gemv, dtype, m, n, k, with_bias):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    exact = x.float() @ w.float().T + (bias.float() if with_bias else 0.0)
+    got = gemv.linear_small_m(x, w, bias)
+    assert got.dtype == dtype and got.shape == (m, n)
+    # fp32 accumulation in another order than oneDNN: at most one output rounding step from the exact value
+    torch.testing.assert_close(got.float(), exact, rtol=0, atol=float((_ulp(exact.to(dtype)) * 1.01).max()) + 1e-4)
+    assert (got.float() - exact).abs().le(_ulp(exact.to(dtype)) + 1e-4 * exact.abs().max()).all()
+
+
+def test_leading_dims_and_strided_input(gemv):
+    x = torch.randn(2, 1, 4, 64)[..., :48].to(torch.bfloat16)  # non-contiguous last-dim slice
+    w = (torch.randn(24, 48) * 0.1).to(torch.bfloat16)
+    got = gemv.linear_small_m(x, w, None)
+    assert got.shape == (2, 1, 4, 24)
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), rtol=1e-2, atol=1e-2)
+
+
+def test_bad_inputs_raise(gemv):
+    w = torch.zeros(8, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="x dtype"):
+        gemv.linear_small_m(torch.zeros(1, 16, dtype=torch.float16), w, None)
+    with pytest.raises(RuntimeError, match="last dim"):
+        gemv.linear_small_m(torch.zeros(1, 15, dtype=torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        gemv.linear_small_m(torch.zeros(1, 16, dtype=torch.bfloat16), w, torch.zeros(7, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16/fp16"):
+        gemv.linear_small_m(torch.zeros(1, 16), torch.zeros(8, 16), None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        gemv.linear_small_m(torch.zeros(1, 16, dtype=torch.bfloat16), torch.zeros(16, 8, dtype=torch.bfloat16).T,
+                            None)
+
+
+class _Recorder:
+    """Stands in for the kernel module to see which path ``cpu_linear`` takes."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, 0
+
+    def linear_small_m(self, x, w, b):
+        self.calls += 1
+        return self.real.linear_small_m(x, w, b)
+
+
+def test_dispatch_small_m_kernel_then_packed(gemv):
+    w = (torch.randn(64, 32) * 0.1).to(torch.bfloat16)
+    packed = cpu_packing.pack_linear_weight(w)
+    recorder = _Recorder(gemv)
+    for m in range(1, cpu_packing.SMALL_M_MAX + 3):
+        x = torch.randn(m, 32).to(torch.bfloat16)
+        before = recorder.calls
+        got = cpu_packing.cpu_linear(x, w, packed, None, recorder)
+        assert recorder.calls == before + (1 if m <= cpu_packing.SMALL_M_MAX else 0)
+        torch.testing.assert_close(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+    # released plain rows (packed-only layer) never reach the kernel
+    assert cpu_packing.cpu_linear(torch.randn(1, 32).to(torch.bfloat16), torch.empty(0, dtype=torch.bfloat16),
+                                  packed, None, recorder).shape == (1, 64)
+    assert recorder.calls == cpu_packing.SMALL_M_MAX
+
+
+def test_kernel_switch_off(monkeypatch):
+    monkeypatch.setenv("ASCENT_CPU_SMALL_M_GEMV", "0")
+    assert cpu_packing.small_m_kernel(torch.zeros(4, 4, dtype=torch.bfloat16)) is None
+    monkeypatch.delenv("ASCENT_CPU_SMALL_M_GEMV")
+    assert cpu_packing.small_m_kernel(torch.zeros(4, 4, dtype=torch.float32)) is None
+    assert cpu_packing.small_m_kernel(torch.zeros(4, 4, dtype=torch.bfloat16)) is not None
+
+
+def _linear_model() -> nn.Module:
+    from ascent.layers.linear import ReplicatedLinear
+
+    torch.manual_seed(0)
+    model = nn.Sequential(ReplicatedLinear(32, 48, bias=False, params_dtype=torch.bfloat16),
+                          ReplicatedLinear(48, 16, bias=True, params_dtype=torch.bfloat16))
+    for layer in model:
+        layer.weight.data.normal_(0, 0.1)
+        if layer.bias is not None:
+            layer.bias.data.normal_(0, 0.1)
+    return model
+
+
+def _run(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    for layer in model:
+        x = layer(x)
+        x = x[0] if isinstance(x, tuple) else x
+    return x
+
+
+@pytest.mark.parametrize("budget,expect_kept", [(1 << 30, True), (0, False)])
+def test_dual_layout_budget(budget, expect_kept):
+    from ascent.loader.base import finalize_model
+
+    model = _linear_model()
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    dense = _run(model, x).float()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ASCENT_CPU_DUAL_LAYOUT_BYTES", str(budget))
+        finalize_model(model)
+    for layer in model:
+        assert getattr(layer, "packed_weight", None) is not None
+        assert (layer.weight.numel() > 0) == expect_kept
+        assert (layer.small_m_ops is not None) == expect_kept
+    torch.testing.assert_close(_run(model, x).float(), dense, rtol=2e-2, atol=2e-2)
+
+
+def test_dual_layout_budget_rejects_negative(monkeypatch):
+    monkeypatch.setenv("ASCENT_CPU_DUAL_LAYOUT_BYTES", "-1")
+    with pytest.raises(ValueError, match="ASCENT_CPU_DUAL_LAYOUT_BYTES"):
+        cpu_packing.dual_layout_budget_bytes()

@@ -1,0 +1,64 @@
+"""The fused inverse-CDF draw (``sampling_cpu.cpp``) picks exactly the token of fp64 cumsum + searchsorted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascent.layers import cpu_kernels
+from ascent.sample import rng
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cpu_kernels.sampling_ops()
+    assert module is not None, "the sampling kernel must build on the CPU profile"
+    return module
+
+
+def _torch_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    cdf = probs.double().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    last_positive = probs.shape[1] - 1 - (probs > 0).flip(dims=[1]).to(torch.int8).argmax(-1)
+    return torch.minimum(idx, last_positive)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (1, 10), (5, 1000), (9, 49152)])
+def test_bit_identical_to_cumsum_searchsorted(kernels, rows, vocab):
+    gen = torch.Generator().manual_seed(rows * vocab)
+    probs = torch.rand(rows, vocab, generator=gen) ** 6
+    probs[0, : vocab // 2] = 0.0  # zero-weight tokens must never be drawn
+    for _ in range(20):
+        u = torch.rand(rows, dtype=torch.float64, generator=gen).clamp_min(1e-300)
+        got = kernels.inverse_cdf_sample(probs, u)
+        assert torch.equal(got, _torch_inverse_cdf(probs, u))
+        assert (probs.gather(1, got.unsqueeze(1)) > 0).all()
+    # u * total rounding up to total: clamped to the last positive-weight token, as the torch path does
+    ones = torch.ones(rows, dtype=torch.float64)
+    assert torch.equal(kernels.inverse_cdf_sample(probs, ones), _torch_inverse_cdf(probs, ones))
+
+
+def test_degenerate_rows_match_torch_path(kernels):
+    probs = torch.zeros(2, 5)
+    probs[1, 2] = 1.0
+    u = torch.tensor([0.5, 0.999], dtype=torch.float64)
+    assert torch.equal(kernels.inverse_cdf_sample(probs, u), _torch_inverse_cdf(probs, u))
+
+
+def test_sampler_uses_kernel_for_cpu_float32(kernels, monkeypatch):
+    probs = torch.rand(4, 300)
+    u = torch.rand(4, dtype=torch.float64)
+    expected = _torch_inverse_cdf(probs, u)
+    assert torch.equal(rng.sample_inverse_cdf(probs, u), expected)
+    monkeypatch.setenv("ASCENT_CPU_FUSED_OPS", "0")  # the torch path gives the same tokens
+    assert torch.equal(rng.sample_inverse_cdf(probs, u), expected)
+    assert torch.equal(rng.sample_inverse_cdf(probs.double(), u), expected)
+
+
+def test_bad_inputs_raise(kernels):
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.inverse_cdf_sample(torch.rand(2, 4, dtype=torch.float64), torch.rand(2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="float64"):
+        kernels.inverse_cdf_sample(torch.rand(2, 4), torch.rand(3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="empty"):
+        kernels.inverse_cdf_sample(torch.rand(2, 0), torch.rand(2, dtype=torch.float64))
