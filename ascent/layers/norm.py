@@ -44,18 +44,20 @@ class RMSNorm(nn.Module):
         y = F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
         return y if self.bias is None else y + self.bias
 
-    def _can_fuse(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        return (self._fused is not None and self.bias is None and x.dim() == 2 and x.device.type == "cpu"
-                and x.stride(-1) == 1 and x.dtype == self.weight.dtype
-                and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)))
+    def _can_fuse(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
+        # cheapest tests first: this runs twice per layer per step
+        return (x.is_cpu and x.dtype is weight.dtype and x.dim() == 2 and x.stride(-1) == 1
+                and self.bias is None
+                and (residual is None or (residual.dtype is x.dtype and residual.stride(-1) == 1)))
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self._can_fuse(x, residual):
+        fused, weight = self._fused, self.weight
+        if fused is not None and self._can_fuse(x, residual, weight):
             if residual is None:
-                return self._fused.rms_norm(x, self.weight, self.eps)
-            out, s = self._fused.add_rms_norm(x, residual, self.weight, self.eps)
+                return fused.rms_norm(x, weight, self.eps)
+            out, s = fused.add_rms_norm(x, residual, weight, self.eps)
             return out, s
         if residual is None:
             return self._norm_bias(x)
