@@ -96,6 +96,29 @@ def test_paged_decode_attention_matches_sdpa_over_gathered_keys(ops, dtype, head
     _close(got, _reference_decode(q, cache, slots, lens, heads, d**-0.5, window), dtype)
 
 
+@pytest.mark.parametrize("d,hidden", [(64, 100), (24, 576)])
+def test_bf16_vector_paths_with_tails(ops, d, hidden):
+    """The AVX512 bf16 paths (head dims / hidden sizes that are not multiples of 16, contexts past 16 keys)."""
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(3, hidden, generator=gen).bfloat16()
+    residual = torch.randn(3, hidden, generator=gen).bfloat16()
+    weight = torch.rand(hidden, generator=gen).bfloat16()
+    _close(ops.rms_norm(x, weight, 1e-6), F.rms_norm(x, (hidden,), weight, 1e-6), torch.bfloat16)
+    out, total = ops.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(total, x + residual)
+    _close(out, F.rms_norm(x + residual, (hidden,), weight, 1e-6), torch.bfloat16)
+    gate_up = (torch.randn(3, 2 * hidden, generator=gen) * 3).bfloat16()
+    _close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :hidden]) * gate_up[:, hidden:], torch.bfloat16)
+    heads, kv_heads, num_slots = 6, 2, 160
+    cache = _paged_cache(torch.bfloat16, num_slots, kv_heads, d, gen)
+    lens = torch.tensor([1, 17, 33, 150])
+    slots = torch.stack([torch.randperm(num_slots, generator=gen)[:150] for _ in range(4)])
+    q = torch.randn(4, heads * d, generator=gen).bfloat16()
+    for window in (0, 20):
+        got = ops.paged_decode_attention(q, cache, slots, lens, heads, d**-0.5, window)
+        _close(got, _reference_decode(q, cache, slots, lens, heads, d**-0.5, window), torch.bfloat16)
+
+
 def test_paged_decode_attention_rejects_bad_lengths_and_slots(ops):
     cache = torch.zeros(2, 8, 1, 4)
     q = torch.zeros(1, 4)

@@ -6,10 +6,12 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -51,6 +53,156 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
+// ---- AVX512 paths for bf16 (selected at run time; the scalar loops stay the fallback for other CPUs/dtypes) ----
+#define ASCENT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+using bf16 = c10::BFloat16;
+
+// The dispatch lambdas are not templates, so their bf16 branches are compiled for every dtype (and only run for
+// bf16): these casts keep those branches well-typed.
+template <typename T> inline const bf16* as_bf16(const T* p) { return reinterpret_cast<const bf16*>(p); }
+template <typename T> inline bf16* as_bf16(T* p) { return reinterpret_cast<bf16*>(p); }
+
+bool has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return ok;
+}
+
+ASCENT_AVX512 inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
+
+ASCENT_AVX512 inline __m512 bf16_load(const bf16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// fp32 -> bf16 bits with c10::BFloat16's rounding: nearest-even, NaN -> 0x7FC0.
+ASCENT_AVX512 inline __m256i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+ASCENT_AVX512 inline void bf16_store(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, bf16_bits(v)); }
+
+ASCENT_AVX512 inline __m512 round_to_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
+}
+
+// exp_approx on 16 lanes: the same operations in the same order (no contraction), hence the same results.
+ASCENT_AVX512 inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 magic = _mm512_set1_ps(12582912.f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187045e-06f)));
+  __m512 p = _mm512_add_ps(_mm512_set1_ps(8.33333377e-3f), _mm512_mul_ps(r, _mm512_set1_ps(1.38888892e-3f)));
+  p = _mm512_add_ps(_mm512_set1_ps(4.16666679e-2f), _mm512_mul_ps(r, p));
+  p = _mm512_add_ps(_mm512_set1_ps(1.66666672e-1f), _mm512_mul_ps(r, p));
+  p = _mm512_add_ps(_mm512_set1_ps(0.5f), _mm512_mul_ps(r, p));
+  p = _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_mul_ps(r, p));
+  p = _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_mul_ps(r, p));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// y = rms_norm(s) * w over one bf16 row (sum of squares in 16 fp32 lanes, then (s * r) * w as the scalar path).
+ASCENT_AVX512 void rms_norm_row_avx512(const bf16* s, const bf16* w, bf16* y, int64_t h, float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t j = 0; j < h; j += 16) {
+    const __m512 v = bf16_load(s + j, tail_mask(h - j));
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(h) + eps));
+  for (int64_t j = 0; j < h; j += 16) {
+    const __mmask16 m = tail_mask(h - j);
+    bf16_store(y + j, _mm512_mul_ps(_mm512_mul_ps(bf16_load(s + j, m), r), bf16_load(w + j, m)), m);
+  }
+}
+
+// srow = round(x + res); y = rms_norm(srow) * w.
+ASCENT_AVX512 void add_rms_norm_row_avx512(const bf16* x, const bf16* res, const bf16* w, bf16* srow, bf16* y,
+                                           int64_t h, float eps) {
+  for (int64_t j = 0; j < h; j += 16) {
+    const __mmask16 m = tail_mask(h - j);
+    bf16_store(srow + j, _mm512_add_ps(bf16_load(x + j, m), bf16_load(res + j, m)), m);
+  }
+  rms_norm_row_avx512(srow, w, y, h, eps);
+}
+
+// out[j] = round(round(silu(g[j])) * g[d + j]) for one row.
+ASCENT_AVX512 void silu_and_mul_row_avx512(const bf16* g, bf16* out, int64_t d) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t j = 0; j < d; j += 16) {
+    const __mmask16 m = tail_mask(d - j);
+    const __m512 a = bf16_load(g + j, m);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
+    const __m512 silu = round_to_bf16(_mm512_div_ps(a, _mm512_add_ps(one, e)));
+    bf16_store(out + j, _mm512_mul_ps(silu, bf16_load(g + d + j, m)), m);
+  }
+}
+
+// attend_kv_head for bf16: q.K dots and P.V accumulation in 16 fp32 lanes (d <= 256), softmax as the scalar path.
+ASCENT_AVX512 void attend_kv_head_avx512(const bf16* q, const bf16* kbase, const bf16* vbase, const int64_t* slots,
+                                         int64_t start, int64_t len, int64_t group, int64_t d, int64_t row_w,
+                                         float scale, bf16* out, std::vector<float>& buf) {
+  const int64_t n = len - start, chunks = (d + 15) / 16, dp = chunks * 16;
+  buf.assign(static_cast<size_t>(group * (dp + n + dp)), 0.f);
+  float* qf = buf.data();      // [group, dp] scaled queries (zero padded)
+  float* sc = qf + group * dp;  // [group, n]
+  float* acc = sc + group * n;  // [group, dp]
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c)
+      _mm512_storeu_ps(qf + g * dp + c * 16,
+                       _mm512_mul_ps(bf16_load(q + g * d + c * 16, tail_mask(d - c * 16)), vscale));
+  for (int64_t j = 0; j < n; ++j) {
+    const bf16* kr = kbase + slots[start + j] * row_w;
+    __m512 kv[16];
+    for (int64_t c = 0; c < chunks; ++c) kv[c] = bf16_load(kr + c * 16, tail_mask(d - c * 16));
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 dot = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * dp + c * 16), kv[c], dot);
+      sc[g * n + j] = _mm512_reduce_add_ps(dot);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = sc + g * n;
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16)
+      vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n - j), sg + j));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = tail_mask(n - j);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), mx)));
+      _mm512_mask_storeu_ps(sg + j, m, e);
+      total = _mm512_add_ps(total, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = tail_mask(n - j);
+      _mm512_mask_storeu_ps(sg + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sg + j), inv));
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const bf16* vr = vbase + slots[start + j] * row_w;
+    __m512 vv[16];
+    for (int64_t c = 0; c < chunks; ++c) vv[c] = bf16_load(vr + c * 16, tail_mask(d - c * 16));
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 p = _mm512_set1_ps(sc[g * n + j]);
+      float* a = acc + g * dp;
+      for (int64_t c = 0; c < chunks; ++c)
+        _mm512_storeu_ps(a + c * 16, _mm512_fmadd_ps(p, vv[c], _mm512_loadu_ps(a + c * 16)));
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < chunks; ++c)
+      bf16_store(out + g * d + c * 16, _mm512_loadu_ps(acc + g * dp + c * 16), tail_mask(d - c * 16));
+}
+
 }  // namespace
 
 // out[T, H] = rms_norm(x) (new tensor).
@@ -65,7 +217,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) rms_norm_row(xp + i * xs, wp, op + i * h, h, static_cast<float>(eps));
+      for (int64_t i = begin; i < end; ++i) {
+        if constexpr (std::is_same_v<scalar_t, bf16>) {
+          if (has_avx512()) {
+            rms_norm_row_avx512(as_bf16(xp + i * xs), as_bf16(wp), as_bf16(op + i * h), h, static_cast<float>(eps));
+            continue;
+          }
+        }
+        rms_norm_row(xp + i * xs, wp, op + i * h, h, static_cast<float>(eps));
+      }
     });
   });
   return out;
@@ -92,6 +252,13 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& resi
     at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         scalar_t* srow = sp + i * h;
+        if constexpr (std::is_same_v<scalar_t, bf16>) {
+          if (has_avx512()) {
+            add_rms_norm_row_avx512(as_bf16(xp + i * xs), as_bf16(rp + i * rs), as_bf16(wp), as_bf16(srow),
+                                    as_bf16(op + i * h), h, static_cast<float>(eps));
+            continue;
+          }
+        }
         for (int64_t j = 0; j < h; ++j) {
           srow[j] = static_cast<scalar_t>(static_cast<float>(xp[i * xs + j]) + static_cast<float>(rp[i * rs + j]));
         }
@@ -151,6 +318,12 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const scalar_t* g = xp + i * xs;
+        if constexpr (std::is_same_v<scalar_t, bf16>) {
+          if (has_avx512()) {
+            silu_and_mul_row_avx512(as_bf16(g), as_bf16(op + i * d), d);
+            continue;
+          }
+        }
         for (int64_t j = 0; j < d; ++j) {
           const float a = static_cast<float>(g[j]);
           const float s = static_cast<scalar_t>(a / (1.f + exp_approx(-a)));
@@ -270,6 +443,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
       for (int64_t u = begin; u < end; ++u) {
         const int64_t i = u / kv_heads, h = u % kv_heads;
         const int64_t start = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0;
+        if constexpr (std::is_same_v<scalar_t, bf16>) {
+          if (has_avx512() && d <= 256) {
+            attend_kv_head_avx512(as_bf16(qp + i * qs + h * group * d), as_bf16(kbase + h * d),
+                                  as_bf16(vbase + h * d), sp + i * L, start, lens[i], group, d, row_w,
+                                  static_cast<float>(scale), as_bf16(op + i * num_heads * d + h * group * d), buf);
+            continue;
+          }
+        }
         attend_kv_head(qp + i * qs + h * group * d, kbase + h * d, vbase + h * d, sp + i * L, start, lens[i], group,
                        d, row_w, static_cast<float>(scale), op + i * num_heads * d + h * group * d, buf);
       }
