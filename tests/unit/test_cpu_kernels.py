@@ -61,7 +61,7 @@ def test_rotary_in_place_equals_torch_rotation(ops, dtype, neox, rotary_dim):
     want[:, : 4 * head], want[:, 4 * head : 5 * head] = q, k
     rows = rope.cos_sin_cache.index_select(0, positions)
     ops.rotary_(qkv[:, : 5 * head], rows, head, rotary_dim, neox)
-    _close(qkv, want, dtype)
+    assert torch.equal(qkv, want)  # every product and sum rounded where torch rounds: bit-identical
     assert torch.equal(qkv[:, 5 * head :], want[:, 5 * head :])
 
 

@@ -144,6 +144,20 @@ ASCENT_AVX512 void silu_and_mul_row_avx512(const bf16* g, bf16* out, int64_t d) 
   }
 }
 
+// NeoX rotation of one bf16 head in place: v[p], v[p + half] with every product and sum rounded as the scalar path.
+ASCENT_AVX512 void rotary_neox_head_avx512(bf16* v, const bf16* cosr, const bf16* sinr, int64_t half) {
+  for (int64_t p = 0; p < half; p += 16) {
+    const __mmask16 m = tail_mask(half - p);
+    const __m512 va = bf16_load(v + p, m), vb = bf16_load(v + half + p, m);
+    const __m512 ca = round_to_bf16(_mm512_mul_ps(va, bf16_load(cosr + p, m)));
+    const __m512 cb = round_to_bf16(_mm512_mul_ps(vb, bf16_load(cosr + half + p, m)));
+    const __m512 sa = round_to_bf16(_mm512_mul_ps(vb, bf16_load(sinr + p, m)));
+    const __m512 sb = round_to_bf16(_mm512_mul_ps(va, bf16_load(sinr + half + p, m)));
+    bf16_store(v + p, _mm512_add_ps(ca, sa), m);
+    bf16_store(v + half + p, _mm512_add_ps(cb, sb), m);
+  }
+}
+
 // attend_kv_head for bf16: q.K dots and P.V accumulation in 16 fp32 lanes (d <= 256), softmax as the scalar path.
 ASCENT_AVX512 void attend_kv_head_avx512(const bf16* q, const bf16* kbase, const bf16* vbase, const int64_t* slots,
                                          int64_t start, int64_t len, int64_t group, int64_t d, int64_t row_w,
@@ -290,6 +304,12 @@ void rotary_(at::Tensor& x, const at::Tensor& cos_sin, int64_t head_size, int64_
         const scalar_t* sinr = cosr + rotary_dim;
         for (int64_t hd = 0; hd < heads; ++hd) {
           scalar_t* v = xp + t * xs + hd * head_size;
+          if constexpr (std::is_same_v<scalar_t, bf16>) {
+            if (neox && has_avx512()) {
+              rotary_neox_head_avx512(as_bf16(v), as_bf16(cosr), as_bf16(sinr), half);
+              continue;
+            }
+          }
           for (int64_t p = 0; p < half; ++p) {
             const int64_t a = neox ? p : 2 * p, b = neox ? p + half : 2 * p + 1;
             const float va = static_cast<float>(v[a]), vb = static_cast<float>(v[b]);
