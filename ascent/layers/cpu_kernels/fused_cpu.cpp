@@ -158,33 +158,33 @@ ASCENT_AVX512 void rotary_neox_head_avx512(bf16* v, const bf16* cosr, const bf16
   }
 }
 
-// attend_kv_head for bf16: q.K dots and P.V accumulation in 16 fp32 lanes (d <= 256), softmax as the scalar path.
+// attend_kv_head for bf16 with C = ceil(d / 16) vector chunks (d <= 16 * C): per query head the q row and the P.V
+// accumulators live in registers; K/V rows are re-read per head of the group from L1. Softmax as the scalar path.
+template <int C>
 ASCENT_AVX512 void attend_kv_head_avx512(const bf16* q, const bf16* kbase, const bf16* vbase, const int64_t* slots,
                                          int64_t start, int64_t len, int64_t group, int64_t d, int64_t row_w,
                                          float scale, bf16* out, std::vector<float>& buf) {
-  const int64_t n = len - start, chunks = (d + 15) / 16, dp = chunks * 16;
-  buf.assign(static_cast<size_t>(group * (dp + n + dp)), 0.f);
-  float* qf = buf.data();      // [group, dp] scaled queries (zero padded)
-  float* sc = qf + group * dp;  // [group, n]
-  float* acc = sc + group * n;  // [group, dp]
+  const int64_t n = len - start;
+  buf.resize(static_cast<size_t>(n));
+  float* sg = buf.data();  // scores, then probabilities, of one query head
+  __mmask16 mask[C];
+  for (int c = 0; c < C; ++c) mask[c] = tail_mask(d - c * 16);
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < chunks; ++c)
-      _mm512_storeu_ps(qf + g * dp + c * 16,
-                       _mm512_mul_ps(bf16_load(q + g * d + c * 16, tail_mask(d - c * 16)), vscale));
-  for (int64_t j = 0; j < n; ++j) {
-    const bf16* kr = kbase + slots[start + j] * row_w;
-    __m512 kv[16];
-    for (int64_t c = 0; c < chunks; ++c) kv[c] = bf16_load(kr + c * 16, tail_mask(d - c * 16));
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 dot = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * dp + c * 16), kv[c], dot);
-      sc[g * n + j] = _mm512_reduce_add_ps(dot);
-    }
-  }
   for (int64_t g = 0; g < group; ++g) {
-    float* sg = sc + g * n;
+    __m512 qv[C], acc[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      qv[c] = _mm512_mul_ps(bf16_load(q + g * d + c * 16, mask[c]), vscale);
+      acc[c] = _mm512_setzero_ps();
+    }
     __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; ++j) {
+      const bf16* kr = kbase + slots[start + j] * row_w;
+      __m512 dot = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) dot = _mm512_fmadd_ps(qv[c], bf16_load(kr + c * 16, mask[c]), dot);
+      sg[j] = _mm512_reduce_add_ps(dot);
+    }
     for (int64_t j = 0; j < n; j += 16)
       vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n - j), sg + j));
     const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
@@ -195,26 +195,34 @@ ASCENT_AVX512 void attend_kv_head_avx512(const bf16* q, const bf16* kbase, const
       _mm512_mask_storeu_ps(sg + j, m, e);
       total = _mm512_add_ps(total, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = tail_mask(n - j);
-      _mm512_mask_storeu_ps(sg + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sg + j), inv));
+    const float inv = 1.f / _mm512_reduce_add_ps(total);
+    for (int64_t j = 0; j < n; ++j) {
+      const bf16* vr = vbase + slots[start + j] * row_w;
+      const __m512 pj = _mm512_set1_ps(sg[j] * inv);
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(pj, bf16_load(vr + c * 16, mask[c]), acc[c]);
     }
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) bf16_store(out + g * d + c * 16, acc[c], mask[c]);
   }
-  for (int64_t j = 0; j < n; ++j) {
-    const bf16* vr = vbase + slots[start + j] * row_w;
-    __m512 vv[16];
-    for (int64_t c = 0; c < chunks; ++c) vv[c] = bf16_load(vr + c * 16, tail_mask(d - c * 16));
-    for (int64_t g = 0; g < group; ++g) {
-      const __m512 p = _mm512_set1_ps(sc[g * n + j]);
-      float* a = acc + g * dp;
-      for (int64_t c = 0; c < chunks; ++c)
-        _mm512_storeu_ps(a + c * 16, _mm512_fmadd_ps(p, vv[c], _mm512_loadu_ps(a + c * 16)));
-    }
+}
+
+using AttendFn = void (*)(const bf16*, const bf16*, const bf16*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, float, bf16*, std::vector<float>&);
+
+// The register-resident variant for head dims up to 256 (nullptr beyond: the scalar path is used).
+AttendFn attend_avx512_for(int64_t d) {
+  switch ((d + 15) / 16) {
+    case 1: return attend_kv_head_avx512<1>;
+    case 2: return attend_kv_head_avx512<2>;
+    case 3: return attend_kv_head_avx512<3>;
+    case 4: return attend_kv_head_avx512<4>;
+    case 5: case 6: return attend_kv_head_avx512<6>;
+    case 7: case 8: return attend_kv_head_avx512<8>;
+    case 9: case 10: case 11: case 12: return attend_kv_head_avx512<12>;
+    case 13: case 14: case 15: case 16: return attend_kv_head_avx512<16>;
+    default: return nullptr;
   }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < chunks; ++c)
-      bf16_store(out + g * d + c * 16, _mm512_loadu_ps(acc + g * dp + c * 16), tail_mask(d - c * 16));
 }
 
 }  // namespace
@@ -458,14 +466,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     const scalar_t* vbase = kbase + num_slots * row_w;
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t qs = q.stride(0);
+    const AttendFn attend_vec = has_avx512() ? attend_avx512_for(d) : nullptr;
     at::parallel_for(0, n * kv_heads, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
       for (int64_t u = begin; u < end; ++u) {
         const int64_t i = u / kv_heads, h = u % kv_heads;
         const int64_t start = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0;
         if constexpr (std::is_same_v<scalar_t, bf16>) {
-          if (has_avx512() && d <= 256) {
-            attend_kv_head_avx512(as_bf16(qp + i * qs + h * group * d), as_bf16(kbase + h * d),
+          if (attend_vec != nullptr) {
+            attend_vec(as_bf16(qp + i * qs + h * group * d), as_bf16(kbase + h * d),
                                   as_bf16(vbase + h * d), sp + i * L, start, lens[i], group, d, row_w,
                                   static_cast<float>(scale), as_bf16(op + i * num_heads * d + h * group * d), buf);
             continue;
