@@ -24,6 +24,7 @@ from ascent.layers.linear import (
 )
 from ascent.layers.norm import RMSNorm
 from ascent.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
+from ascent.models.decode_stack import CpuDecodeStack
 
 logger = logging.getLogger(__name__)
 
@@ -179,8 +180,23 @@ class DecoderModel(nn.Module):
         with self.rotary_emb.step_cache(positions):  # cos/sin gathered once for all layers
             return self._forward_layers(input_ids, positions)
 
+    def process_weights_after_loading(self) -> None:
+        """(Re)loaded weights: the C++ decode stack holding them is rebuilt at the next eligible step."""
+        self.__dict__["_decode_stack"] = None
+
     def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
+        hidden_states = self.embed_tokens(input_ids)
+        stack = self.__dict__.get("_decode_stack")
+        if stack is None:
+            stack = self.__dict__["_decode_stack"] = CpuDecodeStack(self)
+        stacked = stack.forward(hidden_states, positions)
+        if stacked is not None:  # every layer in one C++ call (decode-only CPU step)
+            hidden_states, _ = self.norm(*stacked)
+            return hidden_states
+        return self._forward_module_layers(hidden_states, positions)
+
+    def _forward_module_layers(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        residual = None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in self.capture_layers:

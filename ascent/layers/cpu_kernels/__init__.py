@@ -37,6 +37,10 @@ def _compile_flags() -> list[str]:
     return ["-O3", "-fopenmp"] + (["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"] if avx2 else [])
 
 
+# Sources that #include other kernel sources (their bytes are part of the build hash).
+_INCLUDES: dict[str, tuple[str, ...]] = {"decode_stack_cpu.cpp": ("fused_cpu.cpp", "gemv_cpu.cpp")}
+
+
 @functools.lru_cache(maxsize=None)
 def load_extension(source_name: str) -> ModuleType | None:
     """Build (once, cached on disk) and import the C++ extension ``source_name`` of this directory; None on failure.
@@ -51,7 +55,8 @@ def load_extension(source_name: str) -> ModuleType | None:
         logger.warning("CPU kernel source %s is missing; using torch ops", source)
         return None
     flags = _compile_flags()
-    source_hash = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    text = source.read_bytes() + b"".join(source.with_name(name).read_bytes() for name in _INCLUDES.get(source_name, ()))
+    source_hash = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     build_dir = _build_dir(source_hash)
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -94,3 +99,8 @@ def quant_ops() -> ModuleType | None:
 def sampling_ops() -> ModuleType | None:
     """Sampler kernels (``sampling_cpu.cpp``: the fused inverse-CDF draw), or None when not applicable."""
     return load_extension("sampling_cpu.cpp") if fused_ops_enabled() else None
+
+
+def decode_stack_ops() -> ModuleType | None:
+    """The whole-stack decode kernel (``decode_stack_cpu.cpp``), or None when not applicable."""
+    return load_extension("decode_stack_cpu.cpp") if fused_ops_enabled() else None

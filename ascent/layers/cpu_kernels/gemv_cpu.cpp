@@ -218,7 +218,9 @@ torch::Tensor linear_small_m(const torch::Tensor& x, const torch::Tensor& weight
   return out.view(out_sizes);
 }
 
+#ifndef ASCENT_EMBEDDED_KERNELS  // decode_stack_cpu.cpp includes this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small_m", &linear_small_m, "y = x @ W^T (+ bias) for small M, bf16/fp16, fp32 accumulation",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
 }
+#endif

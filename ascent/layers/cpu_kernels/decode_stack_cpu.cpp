@@ -1,0 +1,126 @@
+// The decoder-layer stack of a dense Llama-style model for one decode step, as one C++ call.
+//
+// After the weight stream of a decode step the caches are cold, and every Python-level op (module call, attribute
+// lookup, tensor view, dispatch) then costs several microseconds; across ~12 module calls per layer that is a few
+// milliseconds per step, a third of a batch-1 SmolLM2 step. DecodeStack holds the layer weights once and runs, per
+// layer, exactly the kernels the Python modules call (fused_cpu.cpp, gemv_cpu.cpp, included below), in the same order
+// with the same arguments, so its output is bit-identical to the module path.
+#define ASCENT_EMBEDDED_KERNELS
+#include "fused_cpu.cpp"
+#include "gemv_cpu.cpp"
+#undef ASCENT_EMBEDDED_KERNELS
+
+#include <torch/extension.h>
+#include <vector>
+
+namespace {
+
+struct DecodeLayer {
+  at::Tensor input_norm, qkv_weight, o_weight, post_norm, gate_up_weight, down_weight;
+  c10::optional<at::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
+  at::Tensor kv_planes;  // [2, S, kv_heads * head_size] view of the layer's cache
+  at::Tensor kv_heads4;  // [2, S, kv_heads, head_size] view of the same storage
+  int64_t window = 0;    // sliding window (0 = full attention)
+};
+
+c10::optional<at::Tensor> optional_tensor(const at::Tensor& t) {
+  return t.defined() && t.numel() > 0 ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+}  // namespace
+
+class DecodeStack {
+ public:
+  // Geometry shared by all layers; eps of the layer norms; rotary_dim/neox of the shared rotary embedding.
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_size, double scale, double eps,
+              int64_t rotary_dim, bool neox)
+      : heads_(num_heads), kv_heads_(num_kv_heads), d_(head_size), scale_(scale), eps_(eps), rotary_dim_(rotary_dim),
+        neox_(neox) {
+    TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_size > 0,
+                "DecodeStack: bad head geometry");
+  }
+
+  // Appends one layer. Biases may be undefined/empty tensors. kv_cache: the layer's [2, S, kv_heads * head_size]
+  // (any view of a contiguous [2, num_blocks, block_size, kv_heads, head_size] cache).
+  void add_layer(const at::Tensor& input_norm, const at::Tensor& qkv_weight, const at::Tensor& qkv_bias,
+                 const at::Tensor& o_weight, const at::Tensor& o_bias, const at::Tensor& post_norm,
+                 const at::Tensor& gate_up_weight, const at::Tensor& gate_up_bias, const at::Tensor& down_weight,
+                 const at::Tensor& down_bias, const at::Tensor& kv_cache, int64_t window) {
+    const int64_t q = heads_ * d_, kv = kv_heads_ * d_;
+    TORCH_CHECK(qkv_weight.dim() == 2 && qkv_weight.size(0) == q + 2 * kv, "DecodeStack: qkv weight must be [",
+                q + 2 * kv, ", H]");
+    TORCH_CHECK(o_weight.dim() == 2 && o_weight.size(1) == q, "DecodeStack: o_proj weight must be [H, ", q, "]");
+    TORCH_CHECK(gate_up_weight.dim() == 2 && gate_up_weight.size(0) == 2 * down_weight.size(1),
+                "DecodeStack: gate_up/down weights disagree on the intermediate size");
+    TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.size(0) == 2 && kv_cache.numel() % (2 * kv) == 0,
+                "DecodeStack: kv_cache must be a contiguous [2, ...] cache of width ", kv);
+    DecodeLayer layer;
+    layer.input_norm = input_norm;
+    layer.qkv_weight = qkv_weight;
+    layer.qkv_bias = optional_tensor(qkv_bias);
+    layer.o_weight = o_weight;
+    layer.o_bias = optional_tensor(o_bias);
+    layer.post_norm = post_norm;
+    layer.gate_up_weight = gate_up_weight;
+    layer.gate_up_bias = optional_tensor(gate_up_bias);
+    layer.down_weight = down_weight;
+    layer.down_bias = optional_tensor(down_bias);
+    layer.kv_planes = kv_cache.view({2, -1, kv});
+    layer.kv_heads4 = kv_cache.view({2, -1, kv_heads_, d_});
+    layer.window = window;
+    layers_.push_back(std::move(layer));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden [T, H] (embeddings), cos_sin [T, 2 * rotary_dim] (the rotary cache rows of the positions), write_slots
+  // int64 [T], decode_slots int64 [T, L], seq_lens int64 [T] -> (hidden, residual), each [T, H], before the final
+  // norm; every token is a decode token (one per request, rows in metadata order).
+  std::vector<at::Tensor> forward(const at::Tensor& embeddings, const at::Tensor& cos_sin, const at::Tensor& write_slots,
+                                  const at::Tensor& decode_slots, const at::Tensor& seq_lens) const {
+    TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers");
+    const int64_t q = heads_ * d_, kv = kv_heads_ * d_;
+    at::Tensor hidden = embeddings, residual, normed;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const DecodeLayer& l = layers_[i];
+      if (i == 0) {
+        residual = hidden;
+        normed = rms_norm(hidden, l.input_norm, eps_);
+      } else {
+        auto pair = add_rms_norm(hidden, residual, l.input_norm, eps_);
+        normed = pair[0];
+        residual = pair[1];
+      }
+      at::Tensor qkv = linear_small_m(normed, l.qkv_weight, l.qkv_bias);
+      at::Tensor qk = qkv.narrow(1, 0, q + kv);
+      rotary_(qk, cos_sin, d_, rotary_dim_, neox_);
+      at::Tensor planes = l.kv_planes;
+      paged_kv_write(planes, qkv.narrow(1, q, kv), qkv.narrow(1, q + kv, kv), write_slots);
+      at::Tensor attn = paged_decode_attention(qkv.narrow(1, 0, q), l.kv_heads4, decode_slots, seq_lens, heads_,
+                                               scale_, l.window);
+      at::Tensor o = linear_small_m(attn, l.o_weight, l.o_bias);
+      auto pair = add_rms_norm(o, residual, l.post_norm, eps_);
+      residual = pair[1];
+      at::Tensor gate_up = linear_small_m(pair[0], l.gate_up_weight, l.gate_up_bias);
+      hidden = linear_small_m(silu_and_mul(gate_up), l.down_weight, l.down_bias);
+    }
+    return {hidden, residual};
+  }
+
+ private:
+  int64_t heads_, kv_heads_, d_;
+  double scale_, eps_;
+  int64_t rotary_dim_;
+  bool neox_;
+  std::vector<DecodeLayer> layers_;
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, bool>(), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_size"), py::arg("scale"), py::arg("eps"), py::arg("rotary_dim"),
+           py::arg("neox"))
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward);
+}

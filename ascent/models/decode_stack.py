@@ -1,0 +1,127 @@
+"""Whole-stack decode on CPU: the decoder layers of a dense Llama-style model as one C++ call per step.
+
+The CPU analogue of a captured decode graph (vLLM Ascend's ACL graph / npugraph_ex): ``DecodeStack``
+(``layers/cpu_kernels/decode_stack_cpu.cpp``) runs, per layer, the same fused kernels the modules call, in the same
+order, so its output equals the module path bit for bit; it only removes the per-module Python cost, which dominates
+the non-GEMV time of a small-batch decode step once the weight stream has evicted the caches.
+
+It applies when the model is built only from the stock pieces (``DecoderLayer`` of ``RopeSelfAttention`` without
+q/k norms, ``GatedMLP`` with SiLU, unquantized linears with their plain weights kept for the small-M kernel,
+tensor parallel size 1, the SDPA backend, no captured hidden states) and the step is decode-only with at most
+``SMALL_M_MAX`` tokens (the range in which the module path also uses the small-M kernel). Anything else runs the
+modules. ``ASCENT_CPU_DECODE_STACK=0`` disables it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from ascent.attention.backends.sdpa import SDPAImpl, SDPAMetadata
+from ascent.forward_context import get_forward_context
+from ascent.layers.activation import SiluAndMul
+from ascent.layers.cpu_kernels import decode_stack_ops
+from ascent.layers.cpu_packing import SMALL_M_MAX
+from ascent.layers.linear import UnquantizedLinearMethod
+
+
+def _plain_linear(linear: nn.Module) -> bool:
+    return (type(linear.quant_method) is UnquantizedLinearMethod and getattr(linear, "small_m_ops", None) is not None
+            and linear.weight.numel() > 0 and getattr(linear, "tp_size", 1) == 1)
+
+
+def _bias(linear: nn.Module) -> torch.Tensor:
+    return linear.bias if linear.bias is not None else torch.empty(0)
+
+
+def _layer_eligible(layer: nn.Module, rotary_emb: nn.Module) -> bool:
+    from ascent.models.common import DecoderLayer, GatedMLP, RopeSelfAttention
+
+    if type(layer) is not DecoderLayer or type(layer.self_attn) is not RopeSelfAttention:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn.qk_norm or attn.rotary_emb is not rotary_emb or type(mlp) is not GatedMLP:
+        return False
+    if type(mlp.act_fn) is not SiluAndMul or mlp.act_fn._fused is None:
+        return False
+    if not isinstance(attn.attn.impl, SDPAImpl) or attn.attn.impl._fused is None:
+        return False
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(n.bias is not None or n._fused is None for n in norms):
+        return False
+    return all(_plain_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+
+
+class CpuDecodeStack:
+    """Builds the C++ stack for a ``DecoderModel`` once its KV caches are bound, and runs eligible steps."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._ops = decode_stack_ops() if os.environ.get("ASCENT_CPU_DECODE_STACK", "1") != "0" else None
+        self._eligible = self._ops is not None and self._model_eligible()
+        self._stack: Any = None
+        self._caches: list[torch.Tensor] = []
+        self.steps_run = 0  # decode steps served by the C++ stack (observability and tests)
+
+    def _model_eligible(self) -> bool:
+        model = self.model
+        if model.capture_layers or model.rotary_emb._fused is None or len(model.layers) == 0:
+            return False
+        if not all(_layer_eligible(layer, model.rotary_emb) for layer in model.layers):
+            return False
+        eps = {n.eps for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+        return len(eps) == 1
+
+    def _build(self, caches: list[torch.Tensor]) -> Any:
+        first = self.model.layers[0].self_attn
+        impl = first.attn.impl
+        stack = self._ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim, float(impl.scale),
+                                      float(self.model.layers[0].input_layernorm.eps),
+                                      int(self.model.rotary_emb.rotary_dim), bool(self.model.rotary_emb.is_neox_style))
+        for layer, cache in zip(self.model.layers, caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            stack.add_layer(layer.input_layernorm.weight, attn.qkv_proj.weight, _bias(attn.qkv_proj),
+                            attn.o_proj.weight, _bias(attn.o_proj), layer.post_attention_layernorm.weight,
+                            mlp.gate_up_proj.weight, _bias(mlp.gate_up_proj), mlp.down_proj.weight,
+                            _bias(mlp.down_proj), cache, int(attn.attn.impl.sliding_window or 0))
+        return stack
+
+    def _step_metadata(self, hidden: torch.Tensor) -> SDPAMetadata | None:
+        try:
+            md = get_forward_context().attn_metadata
+        except RuntimeError:  # a bare forward outside the engine
+            return None
+        tokens = hidden.shape[0]
+        if type(md) is not SDPAMetadata or tokens > SMALL_M_MAX:
+            return None
+        if (md.num_decodes != tokens or md.num_actual_tokens != tokens or md.decode_rows is not None
+                or md.decode_start != 0 or md.write_rows is not None or md.write_slots.shape[0] != tokens
+                or md.prefills or md.multi is not None or md.decode_slots is None):
+            return None
+        return md
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``hidden [T, H]`` embeddings -> ``(hidden, residual)`` after the last layer, or None when this step must
+        run the modules. Call inside the rotary ``step_cache(positions)``."""
+        if not self._eligible or hidden.device.type != "cpu":
+            return None
+        layers = self.model.layers
+        if hidden.dtype is not layers[0].self_attn.qkv_proj.weight.dtype:
+            return None
+        md = self._step_metadata(hidden)
+        if md is None:
+            return None
+        caches = [layer.self_attn.attn.kv_cache for layer in layers]
+        if self._stack is None or any(a is not b for a, b in zip(caches, self._caches)):
+            if any(c.numel() == 0 or c.dtype is not hidden.dtype for c in caches):
+                return None
+            self._stack, self._caches = self._build(caches), caches
+        rows = self.model.rotary_emb._rows(positions)
+        if rows.dtype is not hidden.dtype:
+            return None
+        hidden, residual = self._stack.forward(hidden, rows, md.write_slots, md.decode_slots, md.decode_seq_lens)
+        self.steps_run += 1
+        return hidden, residual

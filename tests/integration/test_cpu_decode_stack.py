@@ -1,0 +1,58 @@
+"""The C++ whole-stack decode (``models/decode_stack.py``) gives exactly the module path's tokens and logprobs."""
+
+from __future__ import annotations
+
+import pytest
+
+from ascent import LLM, SamplingParams
+from tests.fixtures.tiny_models import build_model
+
+PROMPTS = ["Hello world! This is", "The quick brown fox", "a", "tiny tokenizer for tests of an inference engine"]
+
+
+def _decoder_model(llm: LLM):
+    return llm.llm_engine.engine_core.executor.driver_worker.model_runner.model.model
+
+
+def _run(model_dir: str, monkeypatch, stack: str, **engine_kwargs):
+    monkeypatch.setenv("ASCENT_CPU_DECODE_STACK", stack)
+    kwargs = {"dtype": "bfloat16", "max_model_len": 256, "disable_log_stats": True, "seed": 0, **engine_kwargs}
+    llm = LLM(model=model_dir, **kwargs)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    one_by_one = [llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS[:2]]
+    result = [(list(o.outputs[0].token_ids), [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
+              for o in outs + one_by_one]
+    model = _decoder_model(llm)
+    windows = [layer.self_attn.attn.impl.sliding_window for layer in model.layers]
+    return result, model.__dict__.get("_decode_stack"), windows
+
+
+@pytest.mark.parametrize("kind,layer_types", [("llama", None), ("llama", ["sliding_attention", "full_attention"])])
+def test_stack_equals_module_path(tmp_path, monkeypatch, kind, layer_types):
+    extra = {"layer_types": layer_types, "sliding_window": 6} if layer_types else {}
+    model_dir = str(build_model(kind, tmp_path / kind, seed=3, **extra))
+    fused, stack, windows = _run(model_dir, monkeypatch, "1")
+    assert stack is not None and stack._eligible and stack.steps_run > 0  # the stack really served decode steps
+    assert windows == ([6, None] if layer_types else [None, None])
+    plain, off, _ = _run(model_dir, monkeypatch, "0")
+    assert off is not None and not off._eligible and off.steps_run == 0
+    assert fused == plain  # tokens and top-3 logprobs bit-identical
+
+
+def test_stack_under_preemption_and_prefix_caching(tmp_path, monkeypatch):
+    model_dir = str(build_model("llama", tmp_path / "m", seed=4))
+    # 4 blocks of 16 tokens for 4 requests of up to 3 blocks each: requests are preempted and recomputed
+    kwargs = {"enable_prefix_caching": True, "kv_cache_memory_bytes": 16 * 1024, "block_size": 16, "max_model_len": 48}
+    fused, stack, _ = _run(model_dir, monkeypatch, "1", **kwargs)
+    assert stack.steps_run > 0
+    plain, _, _ = _run(model_dir, monkeypatch, "0", **kwargs)
+    assert fused == plain
+
+
+def test_qk_norm_models_use_the_modules(tiny_qwen3_dir, monkeypatch):
+    monkeypatch.setenv("ASCENT_CPU_DECODE_STACK", "1")
+    llm = LLM(model=tiny_qwen3_dir, dtype="bfloat16", max_model_len=128, disable_log_stats=True)
+    llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    stack = _decoder_model(llm).__dict__["_decode_stack"]
+    assert not stack._eligible and stack.steps_run == 0
