@@ -6,8 +6,8 @@ order, so its output equals the module path bit for bit; it only removes the per
 the non-GEMV time of a small-batch decode step once the weight stream has evicted the caches.
 
 It applies when the model is built only from the stock pieces (``DecoderLayer`` of ``RopeSelfAttention`` without
-q/k norms, ``GatedMLP`` with SiLU, unquantized linears with their plain weights kept for the small-M kernel,
-tensor parallel size 1, the SDPA backend, no captured hidden states) and the step is decode-only with at most
+q/k norms, ``GatedMLP`` with SiLU, linears the stack can call (``linear_call``: unquantized ones with their plain
+weights kept for the small-M kernel, quantized schemes that provide ``decode_stack_call``), tensor parallel size 1, the SDPA backend, no captured hidden states) and the step is decode-only with at most
 ``SMALL_M_MAX`` tokens (the range in which the module path also uses the small-M kernel). Anything else runs the
 modules. ``ASCENT_CPU_DECODE_STACK=0`` disables it.
 """
@@ -28,13 +28,25 @@ from ascent.layers.cpu_packing import SMALL_M_MAX
 from ascent.layers.linear import UnquantizedLinearMethod
 
 
-def _plain_linear(linear: nn.Module) -> bool:
-    return (type(linear.quant_method) is UnquantizedLinearMethod and getattr(linear, "small_m_ops", None) is not None
-            and linear.weight.numel() > 0 and getattr(linear, "tp_size", 1) == 1)
+LinearSpec = tuple[int, list[torch.Tensor], list[int]]
 
 
-def _bias(linear: nn.Module) -> torch.Tensor:
-    return linear.bias if linear.bias is not None else torch.empty(0)
+def linear_call(linear: nn.Module) -> LinearSpec | None:
+    """How the C++ stack computes this projection: ``(kind, tensors, ints)`` as ``LinearCall`` in
+    ``decode_stack_cpu.cpp`` documents, or None when the module path must run it. Kind 0 = the small-M kernel on the
+    plain bf16/fp16 weight (with the bias, if any, in the weight's dtype)."""
+    if getattr(linear, "tp_size", 1) != 1:
+        return None
+    method = linear.quant_method
+    if type(method) is UnquantizedLinearMethod:
+        weight, bias = linear.weight, linear.bias
+        if getattr(linear, "small_m_ops", None) is None or weight.numel() == 0:
+            return None
+        if bias is not None and bias.dtype is not weight.dtype:
+            return None
+        return 0, [weight, bias if bias is not None else torch.empty(0, dtype=weight.dtype)], []
+    call = getattr(method, "decode_stack_call", None)
+    return call(linear) if call is not None else None
 
 
 def _layer_eligible(layer: nn.Module, rotary_emb: nn.Module) -> bool:
@@ -52,7 +64,7 @@ def _layer_eligible(layer: nn.Module, rotary_emb: nn.Module) -> bool:
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if any(n.bias is not None or n._fused is None for n in norms):
         return False
-    return all(_plain_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    return all(linear_call(m) is not None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
 
 
 class CpuDecodeStack:
@@ -83,10 +95,9 @@ class CpuDecodeStack:
                                       int(self.model.rotary_emb.rotary_dim), bool(self.model.rotary_emb.is_neox_style))
         for layer, cache in zip(self.model.layers, caches):
             attn, mlp = layer.self_attn, layer.mlp
-            stack.add_layer(layer.input_layernorm.weight, attn.qkv_proj.weight, _bias(attn.qkv_proj),
-                            attn.o_proj.weight, _bias(attn.o_proj), layer.post_attention_layernorm.weight,
-                            mlp.gate_up_proj.weight, _bias(mlp.gate_up_proj), mlp.down_proj.weight,
-                            _bias(mlp.down_proj), cache, int(attn.attn.impl.sliding_window or 0))
+            stack.add_layer(layer.input_layernorm.weight, linear_call(attn.qkv_proj), linear_call(attn.o_proj),
+                            layer.post_attention_layernorm.weight, linear_call(mlp.gate_up_proj),
+                            linear_call(mlp.down_proj), cache, int(attn.attn.impl.sliding_window or 0))
         return stack
 
     def _step_metadata(self, hidden: torch.Tensor) -> SDPAMetadata | None:
@@ -109,7 +120,7 @@ class CpuDecodeStack:
         if not self._eligible or hidden.device.type != "cpu":
             return None
         layers = self.model.layers
-        if hidden.dtype is not layers[0].self_attn.qkv_proj.weight.dtype:
+        if hidden.dtype is not layers[0].input_layernorm.weight.dtype:
             return None
         md = self._step_metadata(hidden)
         if md is None:

@@ -11,20 +11,50 @@
 #undef ASCENT_EMBEDDED_KERNELS
 
 #include <torch/extension.h>
+#include <tuple>
 #include <vector>
 
 namespace {
 
+c10::optional<at::Tensor> optional_tensor(const at::Tensor& t) {
+  return t.defined() && t.numel() > 0 ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+// One projection of a layer: which kernel computes x @ W^T (+ bias) and the operands it takes, in the order the
+// Python side (``LinearMethod.decode_stack_call``) gives them.
+struct LinearCall {
+  enum Kind : int64_t { kDense = 0 };
+  int64_t kind = kDense;
+  std::vector<at::Tensor> tensors;  // kDense: weight [N, K], bias [N] or empty
+  std::vector<int64_t> ints;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    switch (kind) {
+      case kDense: return linear_small_m(x, tensors[0], optional_tensor(tensors[1]));
+      default: TORCH_CHECK(false, "DecodeStack: unknown linear kind ", kind);
+    }
+  }
+
+  static LinearCall make(int64_t kind, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
+    TORCH_CHECK(kind == kDense && tensors.size() == 2 && ints.empty(),
+                "DecodeStack: linear kind ", kind, " with ", tensors.size(), " tensors / ", ints.size(), " ints");
+    TORCH_CHECK(tensors[0].dim() == 2, "DecodeStack: dense weight must be [N, K]");
+    return LinearCall{kind, std::move(tensors), std::move(ints)};
+  }
+};
+
 struct DecodeLayer {
-  at::Tensor input_norm, qkv_weight, o_weight, post_norm, gate_up_weight, down_weight;
-  c10::optional<at::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
+  at::Tensor input_norm, post_norm;
+  LinearCall qkv, o, gate_up, down;
   at::Tensor kv_planes;  // [2, S, kv_heads * head_size] view of the layer's cache
   at::Tensor kv_heads4;  // [2, S, kv_heads, head_size] view of the same storage
   int64_t window = 0;    // sliding window (0 = full attention)
 };
 
-c10::optional<at::Tensor> optional_tensor(const at::Tensor& t) {
-  return t.defined() && t.numel() > 0 ? c10::optional<at::Tensor>(t) : c10::nullopt;
+using LinearSpec = std::tuple<int64_t, std::vector<at::Tensor>, std::vector<int64_t>>;
+
+LinearCall make_call(const LinearSpec& spec) {
+  return LinearCall::make(std::get<0>(spec), std::get<1>(spec), std::get<2>(spec));
 }
 
 }  // namespace
@@ -40,31 +70,21 @@ class DecodeStack {
                 "DecodeStack: bad head geometry");
   }
 
-  // Appends one layer. Biases may be undefined/empty tensors. kv_cache: the layer's [2, S, kv_heads * head_size]
-  // (any view of a contiguous [2, num_blocks, block_size, kv_heads, head_size] cache).
-  void add_layer(const at::Tensor& input_norm, const at::Tensor& qkv_weight, const at::Tensor& qkv_bias,
-                 const at::Tensor& o_weight, const at::Tensor& o_bias, const at::Tensor& post_norm,
-                 const at::Tensor& gate_up_weight, const at::Tensor& gate_up_bias, const at::Tensor& down_weight,
-                 const at::Tensor& down_bias, const at::Tensor& kv_cache, int64_t window) {
-    const int64_t q = heads_ * d_, kv = kv_heads_ * d_;
-    TORCH_CHECK(qkv_weight.dim() == 2 && qkv_weight.size(0) == q + 2 * kv, "DecodeStack: qkv weight must be [",
-                q + 2 * kv, ", H]");
-    TORCH_CHECK(o_weight.dim() == 2 && o_weight.size(1) == q, "DecodeStack: o_proj weight must be [H, ", q, "]");
-    TORCH_CHECK(gate_up_weight.dim() == 2 && gate_up_weight.size(0) == 2 * down_weight.size(1),
-                "DecodeStack: gate_up/down weights disagree on the intermediate size");
+  // Appends one layer. Each projection is (kind, tensors, ints) as ``LinearCall`` documents. kv_cache: the layer's
+  // cache (any contiguous [2, ...] layout of width kv_heads * head_size).
+  void add_layer(const at::Tensor& input_norm, const LinearSpec& qkv, const LinearSpec& o,
+                 const at::Tensor& post_norm, const LinearSpec& gate_up, const LinearSpec& down,
+                 const at::Tensor& kv_cache, int64_t window) {
+    const int64_t kv = kv_heads_ * d_;
     TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.size(0) == 2 && kv_cache.numel() % (2 * kv) == 0,
                 "DecodeStack: kv_cache must be a contiguous [2, ...] cache of width ", kv);
     DecodeLayer layer;
     layer.input_norm = input_norm;
-    layer.qkv_weight = qkv_weight;
-    layer.qkv_bias = optional_tensor(qkv_bias);
-    layer.o_weight = o_weight;
-    layer.o_bias = optional_tensor(o_bias);
     layer.post_norm = post_norm;
-    layer.gate_up_weight = gate_up_weight;
-    layer.gate_up_bias = optional_tensor(gate_up_bias);
-    layer.down_weight = down_weight;
-    layer.down_bias = optional_tensor(down_bias);
+    layer.qkv = make_call(qkv);
+    layer.o = make_call(o);
+    layer.gate_up = make_call(gate_up);
+    layer.down = make_call(down);
     layer.kv_planes = kv_cache.view({2, -1, kv});
     layer.kv_heads4 = kv_cache.view({2, -1, kv_heads_, d_});
     layer.window = window;
@@ -91,18 +111,18 @@ class DecodeStack {
         normed = pair[0];
         residual = pair[1];
       }
-      at::Tensor qkv = linear_small_m(normed, l.qkv_weight, l.qkv_bias);
+      at::Tensor qkv = l.qkv(normed);
+      TORCH_CHECK(qkv.size(1) == q + 2 * kv, "DecodeStack: qkv projection gave ", qkv.size(1), " columns");
       at::Tensor qk = qkv.narrow(1, 0, q + kv);
       rotary_(qk, cos_sin, d_, rotary_dim_, neox_);
       at::Tensor planes = l.kv_planes;
       paged_kv_write(planes, qkv.narrow(1, q, kv), qkv.narrow(1, q + kv, kv), write_slots);
       at::Tensor attn = paged_decode_attention(qkv.narrow(1, 0, q), l.kv_heads4, decode_slots, seq_lens, heads_,
                                                scale_, l.window);
-      at::Tensor o = linear_small_m(attn, l.o_weight, l.o_bias);
+      at::Tensor o = l.o(attn);
       auto pair = add_rms_norm(o, residual, l.post_norm, eps_);
       residual = pair[1];
-      at::Tensor gate_up = linear_small_m(pair[0], l.gate_up_weight, l.gate_up_bias);
-      hidden = linear_small_m(silu_and_mul(gate_up), l.down_weight, l.down_bias);
+      hidden = l.down(silu_and_mul(l.gate_up(pair[0])));
     }
     return {hidden, residual};
   }
