@@ -139,12 +139,17 @@ def test_decode_paths_are_bitwise_equal(monkeypatch: pytest.MonkeyPatch, single_
         assert (out[i : i + 1].double() - expected).abs().max() <= 3e-2 * max(1.0, expected.abs().max())
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("window", [None, 3])
-def test_batched_short_queries_match_per_request_path(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
-    """Short cached-prefix queries (speculative verification) run as one batched call; the result equals the
-    per-request path (batching disabled) to rounding, and the float64 reference."""
+def test_batched_short_queries_match_per_request_path(monkeypatch: pytest.MonkeyPatch, window: int | None,
+                                                      fused: bool) -> None:
+    """Short cached-prefix queries (speculative verification) run as one batched SDPA call, or (with the fused CPU
+    decode kernel) as one decode row per query token; the result equals the per-request path (batching disabled)
+    to rounding, and the float64 reference."""
     import ascent.attention.backends.sdpa as sdpa
 
+    if not fused:
+        monkeypatch.setenv("ASCENT_CPU_FUSED_OPS", "0")
     rng = np.random.default_rng(5)
     reqs = [(11, 4), (5, 1), (9, 2), (0, 6), (17, 4), (2, 3)]
     gen = torch.Generator().manual_seed(5)
@@ -153,7 +158,15 @@ def test_batched_short_queries_match_per_request_path(monkeypatch: pytest.Monkey
         num_heads=NUM_HEADS, head=HEAD, sentinel=SENTINEL)
     impl = SDPABackend.get_impl_cls()(NUM_HEADS, HEAD, HEAD**-0.5, NUM_KV_HEADS, sliding_window=window)
     metadata = SDPABackend.get_builder_cls()().build(common)
-    assert metadata.multi is not None and metadata.multi.n == 4 and metadata.multi.q_max == 4
+    if fused:  # every token of the short queries and the decode is its own decode row, in token order
+        assert metadata.multi is None and metadata.num_decodes == 4 + 1 + 2 + 4 + 3
+        qsl = common.query_start_loc_np
+        want_rows = [r for i, (c, n) in enumerate(reqs) if c > 0 for r in range(qsl[i], qsl[i] + n)]
+        assert metadata.decode_rows.tolist() == want_rows
+        want_lens = [c + j + 1 for c, n in reqs if c > 0 for j in range(n)]
+        assert metadata.decode_seq_lens.tolist() == want_lens
+    else:
+        assert metadata.multi is not None and metadata.multi.n == 4 and metadata.multi.q_max == 4
     assert [p.num_computed for p in metadata.prefills] == [0]
     out = impl.forward(q, k_new, v_new, cache.clone(), metadata)
     monkeypatch.setattr(sdpa, "MULTI_QUERY_MAX_LEN", 1)

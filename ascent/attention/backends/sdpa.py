@@ -13,6 +13,10 @@ dtype. Each step:
   of ``k + 1`` tokens), when there are at least two such requests, run in ONE SDPA call like decodes: queries padded
   to the longest (padding repeats the last query row; its output is dropped), the query heads of a KV head and the
   query positions folded into one axis, and a per-request causal + key-padding mask.
+  With the CPU profile's fused decode kernel (``paged_decode_attention``) they are instead expanded into decode
+  rows: query token i of a request is a decode row over the first ``num_computed + i + 1`` slots of its context
+  (its K/V are written before attention), so verification rows take exactly the path, and give exactly the values,
+  of plain decode rows; a step made only of decodes and such rows is decode-only (see ``models/decode_stack.py``).
 Gather indices and masks are built once per step by the metadata builder and shared by all layers.
 """
 
@@ -171,17 +175,21 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
             raise ValueError(f"seq_lens {seq_lens.tolist()} != num_computed {computed.tolist()} + query lens "
                              f"{query_lens.tolist()}")
         write_slots, write_rows = write_plan(common.slot_mapping)
-        decode_idx = np.flatnonzero(query_lens == 1)
-        md = SDPAMetadata(common.num_actual_tokens, write_slots, write_rows, len(decode_idx), None, 0, None, None,
+        short = (query_lens > 1) & (query_lens <= MULTI_QUERY_MAX_LEN) & (computed > 0)
+        expand = common.block_table.device.type == "cpu" and bool(short.any()) and fused_ops() is not None
+        decode_idx = np.flatnonzero((query_lens == 1) | short) if expand else np.flatnonzero(query_lens == 1)
+        rows, lens, owners = _decode_rows(decode_idx, qsl, seq_lens, computed)
+        md = SDPAMetadata(common.num_actual_tokens, write_slots, write_rows, len(rows), None, 0, None, None,
                           None, [])
-        if len(decode_idx):
-            self._plan_decodes(md, common, decode_idx, qsl, seq_lens)
-        multi = np.flatnonzero((query_lens > 1) & (query_lens <= MULTI_QUERY_MAX_LEN) & (computed > 0))
+        if len(rows):
+            self._plan_decodes(md, common, owners, rows, lens)
+        multi = np.flatnonzero(short) if not expand else np.empty(0, dtype=np.int64)
         if len(multi) >= 2:
             md.multi = self._plan_multi(common, multi, qsl, seq_lens, computed)
         else:
             multi = multi[:0]
-        for i in np.setdiff1d(np.flatnonzero(query_lens > 1), multi):
+        prefill_idx = np.flatnonzero((query_lens > 1) & ~short) if expand else np.flatnonzero(query_lens > 1)
+        for i in np.setdiff1d(prefill_idx, multi):
             md.prefills.append(self._plan_prefill(common, int(i), qsl, seq_lens, computed))
         return md
 
@@ -209,23 +217,22 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
                               torch.from_numpy(rows.reshape(-1)[flat_valid]).to(device), slots, q_pos_t, mask)
 
     @staticmethod
-    def _plan_decodes(md: SDPAMetadata, common: CommonAttentionMetadata, decode_idx: np.ndarray, qsl: np.ndarray,
-                      seq_lens: np.ndarray) -> None:
+    def _plan_decodes(md: SDPAMetadata, common: CommonAttentionMetadata, owners: np.ndarray, rows: np.ndarray,
+                      lens: np.ndarray) -> None:
+        """Decode rows: token row ``rows[j]`` of request ``owners[j]`` attends to its first ``lens[j]`` slots."""
         device = common.block_table.device
-        rows = qsl[decode_idx]
         if rows[-1] - rows[0] + 1 == len(rows) and np.all(np.diff(rows) == 1):
             md.decode_start = int(rows[0])
         else:
             md.decode_rows = torch.from_numpy(rows).to(device)
-        lens = seq_lens[decode_idx]
         max_len = int(lens.max())
-        table = common.block_table.index_select(0, torch.from_numpy(decode_idx).to(device))
+        table = common.block_table.index_select(0, torch.from_numpy(owners).to(device))
         slots = _context_slots(table, common.block_size, max_len)
         md.decode_seq_lens = torch.from_numpy(lens).to(device)
         if int(lens.min()) < max_len:
             mask = torch.arange(max_len, device=device).unsqueeze(0) < md.decode_seq_lens.unsqueeze(1)
             slots = torch.where(mask, slots, slots[:, :1])
-            md.decode_mask = mask.view(len(decode_idx), 1, 1, max_len)
+            md.decode_mask = mask.view(len(rows), 1, 1, max_len)
         md.decode_slots = slots
 
     @staticmethod
@@ -236,6 +243,16 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
             p.context_slots = _context_slots(common.block_table[i : i + 1], common.block_size, p.seq_len)[0]
             p.mask = _prefill_mask(p, None, common.block_table.device)
         return p
+
+
+def _decode_rows(idx: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray,
+                 computed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every query token of requests ``idx`` as a decode row: (token rows, context lengths, owning request), int64;
+    token i of request r sees ``computed[r] + i + 1`` keys."""
+    q_lens = qsl[idx + 1] - qsl[idx]
+    owners = np.repeat(idx, q_lens).astype(np.int64)
+    offsets = np.arange(int(q_lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+    return qsl[owners] + offsets, computed[owners] + offsets + 1, owners
 
 
 def _adjacent_pair(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
