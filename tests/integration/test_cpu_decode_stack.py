@@ -56,3 +56,18 @@ def test_qk_norm_models_use_the_modules(tiny_qwen3_dir, monkeypatch):
     llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     stack = _decoder_model(llm).__dict__["_decode_stack"]
     assert not stack._eligible and stack.steps_run == 0
+
+
+def test_speculative_verification_through_the_stack_equals_plain_greedy(tmp_path, monkeypatch):
+    """bf16: verification rows take the decode kernels, so n-gram speculation reproduces plain greedy exactly."""
+    monkeypatch.setenv("ASCENT_CPU_DECODE_STACK", "1")
+    model_dir = str(build_model("llama", tmp_path / "m", seed=5))
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]}
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    common = {"dtype": "bfloat16", "max_model_len": 128, "disable_log_stats": True, "seed": 0}
+    plain = LLM(model=model_dir, **common).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    spec_llm = LLM(model=model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                       "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **common)
+    spec = spec_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert list(spec) == list(plain)
+    assert _decoder_model(spec_llm).__dict__["_decode_stack"].steps_run > 0
