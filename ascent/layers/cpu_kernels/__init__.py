@@ -38,7 +38,10 @@ def _compile_flags() -> list[str]:
 
 
 # Sources that #include other kernel sources (their bytes are part of the build hash).
-_INCLUDES: dict[str, tuple[str, ...]] = {"decode_stack_cpu.cpp": ("fused_cpu.cpp", "gemv_cpu.cpp")}
+_INCLUDES: dict[str, tuple[str, ...]] = {
+    "fused_cpu.cpp": ("avx512_bf16.h",),
+    "decode_stack_cpu.cpp": ("fused_cpu.cpp", "avx512_bf16.h", "gemv_cpu.cpp"),
+}
 
 
 @functools.lru_cache(maxsize=None)

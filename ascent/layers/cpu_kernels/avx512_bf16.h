@@ -1,0 +1,177 @@
+// AVX512 bf16 row kernels of fused_cpu.cpp (RMSNorm, SiLU-and-mul, NeoX RoPE, paged decode attention), selected
+// at run time by has_avx512(); the scalar loops in fused_cpu.cpp stay the fallback. Included by fused_cpu.cpp inside
+// its anonymous namespace, after <immintrin.h>, <vector> and the torch headers.
+#pragma once
+
+// ---- AVX512 paths for bf16 (selected at run time; the scalar loops stay the fallback for other CPUs/dtypes) ----
+#define ASCENT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+using bf16 = c10::BFloat16;
+
+// The dispatch lambdas are not templates, so their bf16 branches are compiled for every dtype (and only run for
+// bf16): these casts keep those branches well-typed.
+template <typename T> inline const bf16* as_bf16(const T* p) { return reinterpret_cast<const bf16*>(p); }
+template <typename T> inline bf16* as_bf16(T* p) { return reinterpret_cast<bf16*>(p); }
+
+bool has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return ok;
+}
+
+ASCENT_AVX512 inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
+
+ASCENT_AVX512 inline __m512 bf16_load(const bf16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// fp32 -> bf16 bits with c10::BFloat16's rounding: nearest-even, NaN -> 0x7FC0.
+ASCENT_AVX512 inline __m256i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+ASCENT_AVX512 inline void bf16_store(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, bf16_bits(v)); }
+
+ASCENT_AVX512 inline __m512 round_to_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
+}
+
+// exp_approx on 16 lanes: the same operations in the same order (no contraction), hence the same results.
+ASCENT_AVX512 inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 magic = _mm512_set1_ps(12582912.f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187045e-06f)));
+  __m512 p = _mm512_add_ps(_mm512_set1_ps(8.33333377e-3f), _mm512_mul_ps(r, _mm512_set1_ps(1.38888892e-3f)));
+  p = _mm512_add_ps(_mm512_set1_ps(4.16666679e-2f), _mm512_mul_ps(r, p));
+  p = _mm512_add_ps(_mm512_set1_ps(1.66666672e-1f), _mm512_mul_ps(r, p));
+  p = _mm512_add_ps(_mm512_set1_ps(0.5f), _mm512_mul_ps(r, p));
+  p = _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_mul_ps(r, p));
+  p = _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_mul_ps(r, p));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// y = rms_norm(s) * w over one bf16 row (sum of squares in 16 fp32 lanes, then (s * r) * w as the scalar path).
+ASCENT_AVX512 void rms_norm_row_avx512(const bf16* s, const bf16* w, bf16* y, int64_t h, float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t j = 0; j < h; j += 16) {
+    const __m512 v = bf16_load(s + j, tail_mask(h - j));
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(h) + eps));
+  for (int64_t j = 0; j < h; j += 16) {
+    const __mmask16 m = tail_mask(h - j);
+    bf16_store(y + j, _mm512_mul_ps(_mm512_mul_ps(bf16_load(s + j, m), r), bf16_load(w + j, m)), m);
+  }
+}
+
+// srow = round(x + res); y = rms_norm(srow) * w.
+ASCENT_AVX512 void add_rms_norm_row_avx512(const bf16* x, const bf16* res, const bf16* w, bf16* srow, bf16* y,
+                                           int64_t h, float eps) {
+  for (int64_t j = 0; j < h; j += 16) {
+    const __mmask16 m = tail_mask(h - j);
+    bf16_store(srow + j, _mm512_add_ps(bf16_load(x + j, m), bf16_load(res + j, m)), m);
+  }
+  rms_norm_row_avx512(srow, w, y, h, eps);
+}
+
+// out[j] = round(round(silu(g[j])) * g[d + j]) for one row.
+ASCENT_AVX512 void silu_and_mul_row_avx512(const bf16* g, bf16* out, int64_t d) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t j = 0; j < d; j += 16) {
+    const __mmask16 m = tail_mask(d - j);
+    const __m512 a = bf16_load(g + j, m);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
+    const __m512 silu = round_to_bf16(_mm512_div_ps(a, _mm512_add_ps(one, e)));
+    bf16_store(out + j, _mm512_mul_ps(silu, bf16_load(g + d + j, m)), m);
+  }
+}
+
+// NeoX rotation of one bf16 head in place: v[p], v[p + half] with every product and sum rounded as the scalar path.
+ASCENT_AVX512 void rotary_neox_head_avx512(bf16* v, const bf16* cosr, const bf16* sinr, int64_t half) {
+  for (int64_t p = 0; p < half; p += 16) {
+    const __mmask16 m = tail_mask(half - p);
+    const __m512 va = bf16_load(v + p, m), vb = bf16_load(v + half + p, m);
+    const __m512 ca = round_to_bf16(_mm512_mul_ps(va, bf16_load(cosr + p, m)));
+    const __m512 cb = round_to_bf16(_mm512_mul_ps(vb, bf16_load(cosr + half + p, m)));
+    const __m512 sa = round_to_bf16(_mm512_mul_ps(vb, bf16_load(sinr + p, m)));
+    const __m512 sb = round_to_bf16(_mm512_mul_ps(va, bf16_load(sinr + half + p, m)));
+    bf16_store(v + p, _mm512_add_ps(ca, sa), m);
+    bf16_store(v + half + p, _mm512_add_ps(cb, sb), m);
+  }
+}
+
+// attend_kv_head for bf16 with C = ceil(d / 16) vector chunks (d <= 16 * C): per query head the q row and the P.V
+// accumulators live in registers; K/V rows are re-read per head of the group from L1. Softmax as the scalar path.
+template <int C>
+ASCENT_AVX512 void attend_kv_head_avx512(const bf16* q, const bf16* kbase, const bf16* vbase, const int64_t* slots,
+                                         int64_t start, int64_t len, int64_t group, int64_t d, int64_t row_w,
+                                         float scale, bf16* out, std::vector<float>& buf) {
+  const int64_t n = len - start;
+  buf.resize(static_cast<size_t>(n));
+  float* sg = buf.data();  // scores, then probabilities, of one query head
+  __mmask16 mask[C];
+  for (int c = 0; c < C; ++c) mask[c] = tail_mask(d - c * 16);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 qv[C], acc[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      qv[c] = _mm512_mul_ps(bf16_load(q + g * d + c * 16, mask[c]), vscale);
+      acc[c] = _mm512_setzero_ps();
+    }
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; ++j) {
+      const bf16* kr = kbase + slots[start + j] * row_w;
+      __m512 dot = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) dot = _mm512_fmadd_ps(qv[c], bf16_load(kr + c * 16, mask[c]), dot);
+      sg[j] = _mm512_reduce_add_ps(dot);
+    }
+    for (int64_t j = 0; j < n; j += 16)
+      vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n - j), sg + j));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = tail_mask(n - j);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), mx)));
+      _mm512_mask_storeu_ps(sg + j, m, e);
+      total = _mm512_add_ps(total, e);
+    }
+    const float inv = 1.f / _mm512_reduce_add_ps(total);
+    for (int64_t j = 0; j < n; ++j) {
+      const bf16* vr = vbase + slots[start + j] * row_w;
+      const __m512 pj = _mm512_set1_ps(sg[j] * inv);
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(pj, bf16_load(vr + c * 16, mask[c]), acc[c]);
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) bf16_store(out + g * d + c * 16, acc[c], mask[c]);
+  }
+}
+
+using AttendFn = void (*)(const bf16*, const bf16*, const bf16*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, float, bf16*, std::vector<float>&);
+
+// The register-resident variant for head dims up to 256 (nullptr beyond: the scalar path is used).
+AttendFn attend_avx512_for(int64_t d) {
+  switch ((d + 15) / 16) {
+    case 1: return attend_kv_head_avx512<1>;
+    case 2: return attend_kv_head_avx512<2>;
+    case 3: return attend_kv_head_avx512<3>;
+    case 4: return attend_kv_head_avx512<4>;
+    case 5: case 6: return attend_kv_head_avx512<6>;
+    case 7: case 8: return attend_kv_head_avx512<8>;
+    case 9: case 10: case 11: case 12: return attend_kv_head_avx512<12>;
+    case 13: case 14: case 15: case 16: return attend_kv_head_avx512<16>;
+    default: return nullptr;
+  }
+}
+
