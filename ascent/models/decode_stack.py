@@ -5,8 +5,8 @@ The CPU analogue of a captured decode graph (vLLM Ascend's ACL graph / npugraph_
 order, so its output equals the module path bit for bit; it only removes the per-module Python cost, which dominates
 the non-GEMV time of a small-batch decode step once the weight stream has evicted the caches.
 
-It applies when the model is built only from the stock pieces (``DecoderLayer`` of ``RopeSelfAttention`` without
-q/k norms, ``GatedMLP`` with SiLU, linears the stack can call (``linear_call``: unquantized ones with their plain
+It applies when the model is built only from the stock pieces (``DecoderLayer`` of ``RopeSelfAttention``, with or
+without the per-head q/k RMSNorms of Qwen3 (these run the module path's torch ops, from C++), ``GatedMLP`` with SiLU, linears the stack can call (``linear_call``: unquantized ones with their plain
 weights kept for the small-M kernel, quantized schemes that provide ``decode_stack_call``), tensor parallel size 1, the SDPA backend, no captured hidden states) and the step is decode-only with at most
 ``SMALL_M_MAX`` tokens (the range in which the module path also uses the small-M kernel). Anything else runs the
 modules. ``ASCENT_CPU_DECODE_STACK=0`` disables it.
@@ -55,7 +55,9 @@ def _layer_eligible(layer: nn.Module, rotary_emb: nn.Module) -> bool:
     if type(layer) is not DecoderLayer or type(layer.self_attn) is not RopeSelfAttention:
         return False
     attn, mlp = layer.self_attn, layer.mlp
-    if attn.qk_norm or attn.rotary_emb is not rotary_emb or type(mlp) is not GatedMLP:
+    if attn.rotary_emb is not rotary_emb or type(mlp) is not GatedMLP:
+        return False
+    if attn.qk_norm and (attn.q_norm.bias is not None or attn.k_norm.bias is not None):
         return False
     if type(mlp.act_fn) is not SiluAndMul or mlp.act_fn._fused is None:
         return False
@@ -65,6 +67,15 @@ def _layer_eligible(layer: nn.Module, rotary_emb: nn.Module) -> bool:
     if any(n.bias is not None or n._fused is None for n in norms):
         return False
     return all(linear_call(m) is not None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+
+
+def _layer_norms(model: nn.Module) -> list[nn.Module]:
+    norms = []
+    for layer in model.layers:
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        if layer.self_attn.qk_norm:
+            norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
+    return norms
 
 
 class CpuDecodeStack:
@@ -84,8 +95,7 @@ class CpuDecodeStack:
             return False
         if not all(_layer_eligible(layer, model.rotary_emb) for layer in model.layers):
             return False
-        eps = {n.eps for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
-        return len(eps) == 1
+        return len({n.eps for n in _layer_norms(model)}) == 1
 
     def _build(self, caches: list[torch.Tensor]) -> Any:
         first = self.model.layers[0].self_attn
@@ -97,7 +107,8 @@ class CpuDecodeStack:
             attn, mlp = layer.self_attn, layer.mlp
             stack.add_layer(layer.input_layernorm.weight, linear_call(attn.qkv_proj), linear_call(attn.o_proj),
                             layer.post_attention_layernorm.weight, linear_call(mlp.gate_up_proj),
-                            linear_call(mlp.down_proj), cache, int(attn.attn.impl.sliding_window or 0))
+                            linear_call(mlp.down_proj), cache, int(attn.attn.impl.sliding_window or 0),
+                            attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None)
         return stack
 
     def _step_metadata(self, hidden: torch.Tensor) -> SDPAMetadata | None:

@@ -45,6 +45,7 @@ struct LinearCall {
 
 struct DecodeLayer {
   at::Tensor input_norm, post_norm;
+  at::Tensor q_norm, k_norm;  // per-head RMSNorm weights [head_size] (Qwen3), undefined when the model has none
   LinearCall qkv, o, gate_up, down;
   at::Tensor kv_planes;  // [2, S, kv_heads * head_size] view of the layer's cache
   at::Tensor kv_heads4;  // [2, S, kv_heads, head_size] view of the same storage
@@ -55,6 +56,22 @@ using LinearSpec = std::tuple<int64_t, std::vector<at::Tensor>, std::vector<int6
 
 LinearCall make_call(const LinearSpec& spec) {
   return LinearCall::make(std::get<0>(spec), std::get<1>(spec), std::get<2>(spec));
+}
+
+// RotaryEmbedding.forward's torch ops (the path of q/k-normed models): x [T, heads * hs] -> rotated, new tensor.
+at::Tensor rotate_like_torch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t hs,
+                             int64_t rd, bool neox) {
+  const int64_t t = x.size(0);
+  at::Tensor heads = x.view({t, -1, hs});
+  auto swap = [&](const at::Tensor& r) {
+    if (neox) return at::cat({r.narrow(-1, rd / 2, rd / 2), r.narrow(-1, 0, rd / 2)}, -1);
+    at::Tensor pairs = r.unflatten(-1, {-1, 2});
+    return at::stack({pairs.select(-1, 1), pairs.select(-1, 0)}, -1).flatten(-2);
+  };
+  if (rd == hs) return at::add(at::mul(heads, cos), at::mul(swap(heads), sin)).view({t, -1});
+  at::Tensor rot = heads.narrow(-1, 0, rd);
+  at::Tensor rotated = at::add(at::mul(rot, cos), at::mul(swap(rot), sin));
+  return at::cat({rotated, heads.narrow(-1, rd, hs - rd)}, -1).view({t, -1});
 }
 
 }  // namespace
@@ -74,7 +91,8 @@ class DecodeStack {
   // cache (any contiguous [2, ...] layout of width kv_heads * head_size).
   void add_layer(const at::Tensor& input_norm, const LinearSpec& qkv, const LinearSpec& o,
                  const at::Tensor& post_norm, const LinearSpec& gate_up, const LinearSpec& down,
-                 const at::Tensor& kv_cache, int64_t window) {
+                 const at::Tensor& kv_cache, int64_t window, const c10::optional<at::Tensor>& q_norm,
+                 const c10::optional<at::Tensor>& k_norm) {
     const int64_t kv = kv_heads_ * d_;
     TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.size(0) == 2 && kv_cache.numel() % (2 * kv) == 0,
                 "DecodeStack: kv_cache must be a contiguous [2, ...] cache of width ", kv);
@@ -88,6 +106,12 @@ class DecodeStack {
     layer.kv_planes = kv_cache.view({2, -1, kv});
     layer.kv_heads4 = kv_cache.view({2, -1, kv_heads_, d_});
     layer.window = window;
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value() && (!q_norm.has_value() || q_norm->numel() == d_),
+                "DecodeStack: q_norm/k_norm must both be [head_size] or both absent");
+    if (q_norm.has_value()) {
+      layer.q_norm = *q_norm;
+      layer.k_norm = *k_norm;
+    }
     layers_.push_back(std::move(layer));
   }
 
@@ -113,12 +137,21 @@ class DecodeStack {
       }
       at::Tensor qkv = l.qkv(normed);
       TORCH_CHECK(qkv.size(1) == q + 2 * kv, "DecodeStack: qkv projection gave ", qkv.size(1), " columns");
-      at::Tensor qk = qkv.narrow(1, 0, q + kv);
-      rotary_(qk, cos_sin, d_, rotary_dim_, neox_);
+      at::Tensor q_rows = qkv.narrow(1, 0, q), k_rows = qkv.narrow(1, q, kv);
+      if (l.q_norm.defined()) {  // RopeSelfAttention with qk_norm: torch rms_norm per head, then torch RoPE
+        const int64_t t = qkv.size(0);
+        auto cs = cos_sin.unsqueeze(1).split(rotary_dim_, -1);
+        q_rows = rotate_like_torch(at::rms_norm(q_rows.view({t, heads_, d_}), {d_}, l.q_norm, eps_).view({t, q}),
+                                   cs[0], cs[1], d_, rotary_dim_, neox_);
+        k_rows = rotate_like_torch(at::rms_norm(k_rows.view({t, kv_heads_, d_}), {d_}, l.k_norm, eps_).view({t, kv}),
+                                   cs[0], cs[1], d_, rotary_dim_, neox_);
+      } else {  // q and k columns rotated in place in one pass
+        at::Tensor qk = qkv.narrow(1, 0, q + kv);
+        rotary_(qk, cos_sin, d_, rotary_dim_, neox_);
+      }
       at::Tensor planes = l.kv_planes;
-      paged_kv_write(planes, qkv.narrow(1, q, kv), qkv.narrow(1, q + kv, kv), write_slots);
-      at::Tensor attn = paged_decode_attention(qkv.narrow(1, 0, q), l.kv_heads4, decode_slots, seq_lens, heads_,
-                                               scale_, l.window);
+      paged_kv_write(planes, k_rows, qkv.narrow(1, q + kv, kv), write_slots);
+      at::Tensor attn = paged_decode_attention(q_rows, l.kv_heads4, decode_slots, seq_lens, heads_, scale_, l.window);
       at::Tensor o = l.o(attn);
       auto pair = add_rms_norm(o, residual, l.post_norm, eps_);
       residual = pair[1];
