@@ -8,6 +8,10 @@
   ``w = (u - 8) * scale + zero`` with ``u`` the unsigned nibble; N % 16 == 0, group in {32, 64, 128, 256}).
   They win at decode-sized M only; prefill-sized M uses a dequantize-once dense weight (oneDNN-packed for
   bf16/fp16) — :func:`weight_only_path` picks by M.
+* Small-M (decode) C++ kernels, ``ascent/layers/cpu_kernels/quant_gemv_cpu.cpp`` (``quant_ops()``): weights
+  streamed once per call in their stored integer form (int8 rows, int4 nibbles, the W8A8 product via AVX512-VNNI
+  with the activation quantization fused). Resolved once per layer at load (:func:`prepare_int8_gemv`,
+  :func:`prepare_wo_gemv`); used for M up to :data:`INT8_GEMV_MAX_M` / :data:`WEIGHT_ONLY_GEMV_MAX_M`.
 * ``ASCENT_QUANT_REFERENCE=1`` (read per call) makes every scheme use its reference path.
 """
 
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +38,25 @@ REFERENCE_ENV = "ASCENT_QUANT_REFERENCE"
 # Crossover: M = 2.
 WEIGHT_ONLY_PACKED_MAX_M = 2
 INT4PACK_GROUP_SIZES = (256, 128, 64, 32)
+# quant_gemv_cpu.cpp kernels vs the paths above, 30 SmolLM2-135M layers' linears (qkv 576x960, o 576x576, gate_up
+# 576x3072, down 1536x576; 106 M weights, DRAM-resident), 1 thread on the shared 2-core host, interleaved medians, ms:
+#   M=1: bf16 dense 20.5 | w8a16 kernel 6.8 vs int8pack 13.0 | w4a16 kernel 7.0 vs int4pack 7.1 | w8a8 kernel 6.2 vs
+#        quantize + _int_mm 21.9;  M=2: 20.8 | 9.0 vs 17.9 | 9.2 vs 8.3 | 7.6 vs 22.0;
+#   M=4: 20.7 | 15.0 vs 21.5 | 17.1 vs 12.0 | 9.2 vs 23.1;  M=8: 21.3 | 30.8 vs 35.0 | 32.9 vs 20.8 | 15.8 vs 26.5.
+# Cache-resident (one layer, 2 threads) at M=16: w8a8 kernel 0.33 vs 0.43 ms. Crossovers: W8A8 16, W8A16 4 (dense
+# bf16 above), W4A16 1 (int4pack at M=2, dense above).
+INT8_GEMV_MAX_M = 16
+WEIGHT_ONLY_GEMV_MAX_M = {8: 4, 4: 1}
+GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# ``decode_stack_call`` kinds (``models/decode_stack.py`` LinearSpec = (kind, tensors, ints); kind 0 is the dense
+# bf16 small-M kernel): the C++ stack can include quant_gemv_cpu.cpp (ASCENT_EMBEDDED_KERNELS) and call
+#   1 W8A16: ascent_quant::w8a16_linear(x, weight, scale, zero?, bias?)       tensors [weight, scale, zero, bias]
+#   2 W4A16: ascent_quant::w4a16_linear(x, packed, ints[0] = K, scale, zero?, bias?)  tensors as kind 1
+#   3 W8A8 dynamic: ascent_quant::w8a8_dynamic_linear(x, weight, row_sum, w_scale, bias?)
+#                                                                      tensors [weight, row_sum, w_scale, bias]
+# (an empty tensor stands for an absent optional operand).
+STACK_KIND_W8A16, STACK_KIND_W4A16, STACK_KIND_W8A8_DYNAMIC = 1, 2, 3
+StackSpec = tuple[int, list[torch.Tensor], list[int]]
 
 
 def reference_forced() -> bool:
@@ -193,3 +218,107 @@ class DenseWeightCache:
         w, is_packed = self._weights[x.dtype]
         b = bias.to(x.dtype) if bias is not None else None
         return packed_linear(x, w, b) if is_packed else F.linear(x, w, b)
+
+
+def gemv_module(t: torch.Tensor) -> ModuleType | None:
+    """The small-M kernel module for tensors like ``t`` (CPU only), or None when it does not apply."""
+    if t.device.type != "cpu":
+        return None
+    from ascent.layers.cpu_kernels import quant_ops
+
+    return quant_ops()
+
+
+def gemv_fits(x: torch.Tensor, max_m: int) -> bool:
+    """Whether the small-M kernels take ``x [..., K]``: CPU, fp32/bf16/fp16 and M = numel / K <= ``max_m`` (a few
+    attribute reads: this runs once per linear per decode step)."""
+    return x.is_cpu and x.dtype in GEMV_DTYPES and x.numel() <= max_m * x.shape[-1]
+
+
+@dataclass
+class Int8Gemv:
+    """Operands of the W8A8 small-M kernels: ``weight`` int8 [N, K] (row-major), ``row_sum`` int32 [N]."""
+
+    ops: ModuleType
+    weight: torch.Tensor
+    row_sum: torch.Tensor
+
+
+def prepare_int8_gemv(weight: torch.Tensor) -> Int8Gemv | None:
+    """Int8 ``weight [N, K]`` -> kernel operands (no copy of a contiguous weight), None when not applicable."""
+    ops = gemv_module(weight)
+    if ops is None or weight.dim() != 2 or weight.shape[1] > 65536:
+        return None
+    w = weight.contiguous()
+    return Int8Gemv(ops, w, w.sum(dim=1, dtype=torch.int32))
+
+
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return t if t is not None else torch.empty(0, dtype=like.dtype)
+
+
+def int8_dynamic_stack_spec(g: Int8Gemv, w_scale: torch.Tensor, bias: torch.Tensor | None) -> StackSpec:
+    """The decode-stack call of a W8A8 dynamic linear (see :data:`STACK_KIND_W8A8_DYNAMIC`)."""
+    return STACK_KIND_W8A8_DYNAMIC, [g.weight, g.row_sum, w_scale, _or_empty(bias, w_scale)], []
+
+
+def int8_gemv_dynamic(g: Int8Gemv, x: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+                      ) -> torch.Tensor:
+    """:func:`int8_linear_dynamic` (bit-identical) on the kernel: ``x [..., K]``, ``w_scale`` fp32 [N] -> x's dtype
+    ``[..., N]``."""
+    return g.ops.w8a8_dynamic_linear(x, g.weight, g.row_sum, w_scale, bias)
+
+
+def int8_gemv_static(g: Int8Gemv, x: torch.Tensor, input_scale: float, input_offset: float,
+                     deq_scale: torch.Tensor, quant_bias: torch.Tensor | None,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`int8_linear_static` (bit-identical) on the kernel (python-float ``input_scale`` / ``input_offset``,
+    ``deq_scale`` fp32 [N], ``quant_bias`` int32 [N] or None): ``x [..., K]`` -> x's dtype ``[..., N]``."""
+    return g.ops.w8a8_static_linear(x, g.weight, g.row_sum, float(input_scale), float(input_offset), deq_scale,
+                                    quant_bias, bias)
+
+
+@dataclass
+class WeightOnlyGemv:
+    """Operands of the weight-only small-M kernels: ``weight`` int8 [N, K] (bits 8) or nibble bytes uint8
+    [N, ceil(K/2)] (bits 4, ``w4a16_pack`` layout), ``scale`` fp32 [N, G], ``zero`` fp32 [N, G] or None."""
+
+    ops: ModuleType
+    bits: int
+    k: int
+    weight: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+
+    @property
+    def max_m(self) -> int:
+        """Largest M this kernel is used for (:data:`WEIGHT_ONLY_GEMV_MAX_M`)."""
+        return WEIGHT_ONLY_GEMV_MAX_M[self.bits]
+
+    def stack_spec(self, bias: torch.Tensor | None) -> StackSpec:
+        """The decode-stack call of this linear (see :data:`STACK_KIND_W8A16` / :data:`STACK_KIND_W4A16`)."""
+        tensors = [self.weight, self.scale, _or_empty(self.zero, self.scale), _or_empty(bias, self.scale)]
+        if self.bits == 8:
+            return STACK_KIND_W8A16, tensors, []
+        return STACK_KIND_W4A16, tensors, [self.k]
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [..., K] @ ((q - zero) * scale)^T (+ bias)`` -> x's dtype ``[..., N]``."""
+        if self.bits == 8:
+            return self.ops.w8a16_linear(x, self.weight, self.scale, self.zero, bias)
+        return self.ops.w4a16_linear(x, self.weight, self.k, self.scale, self.zero, bias)
+
+
+def prepare_wo_gemv(weight: torch.Tensor, bits: int, k: int, scale: torch.Tensor, zero: torch.Tensor | None
+                    ) -> WeightOnlyGemv | None:
+    """Weight-only kernel operands, None when not applicable (non-CPU, no kernels, int4 groups not a multiple of
+    32 columns). ``weight``: int8 [N, K] values (bits 8) or already-packed nibble bytes uint8 [N, ceil(K/2)]
+    (bits 4; int8 [N, K] values are packed here)."""
+    ops = gemv_module(weight)
+    groups = scale.shape[-1]
+    if ops is None or (bits == 4 and groups > 1 and (k // groups) % 32):
+        return None
+    if bits == 4 and weight.dtype == torch.int8:
+        weight = ops.w4a16_pack(weight.contiguous())
+    z = None if zero is None else zero.float().contiguous()
+    return WeightOnlyGemv(ops, bits, k, weight.contiguous(), scale.float().contiguous(), z)

@@ -85,6 +85,11 @@ class QuantLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.scheme.process_weights_after_loading(layer)
 
+    def decode_stack_call(self, layer: nn.Module) -> Any:
+        """The scheme's C++ decode-stack call (``models/decode_stack.py``), None when it has none."""
+        call = getattr(self.scheme, "decode_stack_call", None)
+        return call(layer) if call is not None else None
+
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         return self.scheme.dequantized_weight(layer)
 

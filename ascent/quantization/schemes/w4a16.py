@@ -5,7 +5,9 @@ LSB first), ``weight_scale`` [N, K/g] (or [N, 1] channel), ``weight_shape`` int6
 fused shard), asymmetric: ``weight_zero_point`` int32 packed along N [N/8, K/g]. ModelSlim legacy: ``weight`` int8
 [N, K] holding one int4 per byte, ``weight_scale`` / ``weight_offset`` [N, K/g] like W8A16.
 ``W = (q - zp) * s``. Decode fast path: ``_weight_int4pack_mm_for_cpu`` (``w = (u - 8) * scale + zero`` with
-u = q + 8, scale = s, zero = -zp * s); prefill: dequantize-once dense weight.
+u = q + 8, scale = s, zero = -zp * s); on CPU with the C++ kernels ``quant_gemv_cpu.cpp``'s ``w4a16_linear`` for
+M <= ``WEIGHT_ONLY_GEMV_MAX_M[4]`` (reads ``weight_packed``'s bytes in place; ModelSlim int4-per-byte weights are
+packed once); prefill: dequantize-once dense weight.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ class W4A16Linear(WeightOnlyLinear):
             return
         packed, scale_zeros = prepare_int4pack(q, layer.wo_scale, layer.wo_zero, kernel_group)
         layer.wo_packed = (packed, scale_zeros, kernel_group)
+
+    def gemv_weight(self, layer: nn.Module) -> torch.Tensor:
+        """compressed-tensors: ``weight_packed``'s bytes (uint8 [N, K/2], no copy); ModelSlim: int8 values [N, K]."""
+        if self.packed_checkpoint:
+            return layer.weight_packed.detach().contiguous().view(torch.uint8)
+        return layer.weight.detach()
 
     def packed_linear(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed, scale_zeros, kernel_group = layer.wo_packed

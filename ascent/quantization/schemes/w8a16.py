@@ -5,8 +5,10 @@ per-group [N, K/g] (model dtype or fp32). compressed-tensors: ``weight``, ``weig
 ``weight_zero_point``. Dequantization uses the documented *subtractive* zero point (spec §11.5):
 ``W = (Wq - o_w) * s_w``; ``y = x @ W^T + b``.
 
-Fast paths (chosen by M, ``kernels.weight_only_path``): ``torch._weight_int8pack_mm`` for decode-sized M when the
-weight is per-channel and symmetric; otherwise a dequantize-once dense weight (oneDNN-packed bf16/fp16).
+Fast paths (chosen by M): on CPU with the C++ kernels, ``quant_gemv_cpu.cpp``'s ``w8a16_linear`` (any group /
+zero point) for M <= ``WEIGHT_ONLY_GEMV_MAX_M[8]``; else (``kernels.weight_only_path``) ``torch._weight_int8pack_mm``
+for decode-sized M when the weight is per-channel and symmetric; otherwise a dequantize-once dense weight
+(oneDNN-packed bf16/fp16).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import torch
 from torch import nn
 
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
-from ascent.quantization.kernels import DenseWeightCache, weight_int8_linear, weight_only_path
+from ascent.quantization.kernels import (
+    DenseWeightCache, StackSpec, WeightOnlyGemv, gemv_fits, prepare_wo_gemv, weight_int8_linear, weight_only_path,
+)
 from ascent.quantization.registry import register_scheme
 from ascent.quantization.packing import unpack_from_int32
 from ascent.quantization.schemes.common import (
@@ -26,7 +30,8 @@ from ascent.quantization.schemes.common import (
 class WeightOnlyLinear(QuantLinearScheme):
     """Shared weight-only logic. Subclasses provide :meth:`int_weight` (int8 values [N, K]) and may set up a
     packed decode kernel in :meth:`prepare_packed` / :meth:`packed_linear`. After loading the layer holds
-    ``wo_scale`` fp32 [N, G], ``wo_zero`` fp32 [N, G] or None (all-zero offsets) and ``wo_dense`` (cache)."""
+    ``wo_scale`` fp32 [N, G], ``wo_zero`` fp32 [N, G] or None (all-zero offsets), ``wo_dense`` (cache) and
+    ``wo_gemv`` (small-M C++ kernel operands, ``kernels.WeightOnlyGemv``, or None)."""
 
     force_reference = False
     bits = 8
@@ -91,6 +96,29 @@ class WeightOnlyLinear(QuantLinearScheme):
         layer.wo_zero = self.zero_points(layer)
         layer.wo_dense = DenseWeightCache(lambda: self.dequantized_weight(layer))
         self.prepare_packed(layer)
+        layer.wo_gemv = self.prepare_gemv(layer)
+
+    def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:
+        """How a C++ decode stack calls this linear's small-M kernel (``kernels.STACK_KIND_*``), None without it."""
+        gemv = getattr(layer, "wo_gemv", None)
+        return gemv.stack_spec(getattr(layer, "bias", None)) if gemv is not None else None
+
+    def gemv_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The weight operand of the small-M kernel: int8 values [N, K] (shared with the int8pack operand)."""
+        if layer.wo_packed is not None:
+            return layer.wo_packed[0]
+        return self.int_weight(layer)
+
+    def prepare_gemv(self, layer: nn.Module) -> WeightOnlyGemv | None:
+        """Small-M kernel operands (``kernels.WeightOnlyGemv``), None when the kernels do not apply."""
+        return prepare_wo_gemv(self.gemv_weight(layer), self.bits, self.input_size(layer), layer.wo_scale,
+                               layer.wo_zero)
+
+    def input_size(self, layer: nn.Module) -> int:
+        """K of this partition (from the stored weight)."""
+        if self.packed_checkpoint:
+            return layer.weight_packed.shape[1] * (32 // self.bits)
+        return layer.weight.shape[1]
 
     def prepare_packed(self, layer: nn.Module) -> None:
         """int8pack decode kernel: per-channel symmetric only."""
@@ -105,6 +133,9 @@ class WeightOnlyLinear(QuantLinearScheme):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if use_reference(self):
             return self.apply_reference(layer, x, bias)
+        gemv = getattr(layer, "wo_gemv", None)
+        if gemv is not None and gemv_fits(x, gemv.max_m):
+            return gemv.linear(x, bias)
         m = x.numel() // x.shape[-1]
         if layer.wo_packed is not None and x.device.type == "cpu" and weight_only_path(m) == "packed":
             return self.packed_linear(layer, x, bias)

@@ -2,7 +2,8 @@
 
 Checkpoint: ``weight`` int8 [N, K], ``weight_scale`` [N, 1] (+ ModelSlim ``weight_offset`` [N, 1], which must be
 all zero — verified at load, spec §11.10). Forward: ``s_x[m] = max_k |x[m, k]| / 127``,
-``xq = clamp(rint(x / s_x), -128, 127)``, ``y = (xq @ Wq^T) * s_x[m] * s_w[n] + b``.
+``xq = clamp(rint(x / s_x), -128, 127)``, ``y = (xq @ Wq^T) * s_x[m] * s_w[n] + b``. CPU decode (M <=
+``INT8_GEMV_MAX_M``): the fused quantize + VNNI kernel (bit-identical to ``int8_linear_dynamic``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import torch
 from torch import nn
 
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
-from ascent.quantization.kernels import int8_linear_dynamic, quantize_per_token_int8
+from ascent.quantization.kernels import (
+    INT8_GEMV_MAX_M, StackSpec, gemv_fits, int8_dynamic_stack_spec, int8_gemv_dynamic, int8_linear_dynamic,
+    prepare_int8_gemv, quantize_per_token_int8,
+)
 from ascent.quantization.registry import register_scheme
 from ascent.quantization.schemes.common import add_param, check_zero_offset, use_reference
 from ascent.quantization.schemes.w8a8_static import create_int8_weight
@@ -29,7 +33,8 @@ def dynamic_reference(x: torch.Tensor, w_deq: torch.Tensor, bias: torch.Tensor |
 
 @register_scheme("W8A8_DYNAMIC", "linear")
 class W8A8DynamicLinear(QuantLinearScheme):
-    """After loading: ``w8a8_w_t`` (int8 [K, N] column-major view) and ``w8a8_ws`` fp32 [N]."""
+    """After loading: ``w8a8_w_t`` (int8 [K, N] column-major view), ``w8a8_ws`` fp32 [N] and ``w8a8_gemv`` (small-M
+    kernel operands, ``kernels.Int8Gemv``, or None)."""
 
     force_reference = False
 
@@ -46,11 +51,20 @@ class W8A8DynamicLinear(QuantLinearScheme):
         check_zero_offset(layer, "weight_offset", self.quant_type)
         layer.w8a8_w_t = layer.weight.detach().t()
         layer.w8a8_ws = layer.weight_scale.detach().float().reshape(-1).contiguous()
+        layer.w8a8_gemv = prepare_int8_gemv(layer.weight.detach())
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if use_reference(self):
             return self.apply_reference(layer, x, bias)
+        gemv = getattr(layer, "w8a8_gemv", None)
+        if gemv is not None and gemv_fits(x, INT8_GEMV_MAX_M):
+            return int8_gemv_dynamic(gemv, x, layer.w8a8_ws, bias)
         return int8_linear_dynamic(x, layer.w8a8_w_t, layer.w8a8_ws, bias)
+
+    def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:
+        """How a C++ decode stack calls this linear's small-M kernel (``kernels.STACK_KIND_*``), None without it."""
+        gemv = getattr(layer, "w8a8_gemv", None)
+        return int8_dynamic_stack_spec(gemv, layer.w8a8_ws, getattr(layer, "bias", None)) if gemv is not None else None
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.detach().float() * layer.weight_scale.detach().float().reshape(-1, 1)

@@ -9,6 +9,7 @@ compressed-tensors: ``weight``, ``weight_scale`` [N, 1], ``input_scale`` [1]; z_
 at load and the float bias added after dequantization.
 
 Forward: ``xq = clamp(rint(x / s_x + z_x), -128, 127)``, ``acc = xq @ Wq^T`` (int32), ``y = d * (acc + beta)``.
+CPU decode (M <= ``INT8_GEMV_MAX_M``): the fused quantize + VNNI kernel (same math as ``int8_linear_static``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 from torch import nn
 
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
-from ascent.quantization.kernels import int8_linear_static, quantize_static_int8
+from ascent.quantization.kernels import (
+    INT8_GEMV_MAX_M, gemv_fits, int8_gemv_static, int8_linear_static, prepare_int8_gemv, quantize_static_int8,
+)
 from ascent.quantization.registry import register_scheme
 from ascent.quantization.schemes.common import (
     add_param,
@@ -38,7 +41,8 @@ def create_int8_weight(layer: nn.Module, n: int, k: int, weight_loader: WeightLo
 @register_scheme("W8A8", "linear")
 class W8A8StaticLinear(QuantLinearScheme):
     """Static W8A8 linear; after loading the layer holds ``w8a8_w_t`` (int8 [K, N] column-major view),
-    ``w8a8_sx`` / ``w8a8_zx`` (python floats), ``w8a8_deq`` fp32 [N] and ``w8a8_beta`` int32 [N] or None."""
+    ``w8a8_sx`` / ``w8a8_zx`` (python floats), ``w8a8_deq`` fp32 [N], ``w8a8_beta`` int32 [N] or None and
+    ``w8a8_gemv`` (small-M kernel operands, ``kernels.Int8Gemv``, or None)."""
 
     force_reference = False
 
@@ -66,11 +70,13 @@ class W8A8StaticLinear(QuantLinearScheme):
         if self.modelslim:
             layer.w8a8_zx = common_shard_scalar(layer, layer.input_offset, "input_offset")
             layer.w8a8_deq = decode_deq_scale(layer.deq_scale.detach())
-            layer.w8a8_beta = layer.quant_bias.detach().to(torch.int32)
+            layer.w8a8_beta = layer.quant_bias.detach().to(torch.int32).contiguous()
         else:
             layer.w8a8_zx = 0.0
             layer.w8a8_deq = (torch.tensor(layer.w8a8_sx, dtype=torch.float32) * s_w).contiguous()
             layer.w8a8_beta = None
+        layer.w8a8_deq = layer.w8a8_deq.float().contiguous()
+        layer.w8a8_gemv = prepare_int8_gemv(layer.weight.detach())
 
     def _float_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
         """ModelSlim folds the float bias into quant_bias; compressed-tensors adds it after dequantization."""
@@ -79,6 +85,10 @@ class W8A8StaticLinear(QuantLinearScheme):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if use_reference(self):
             return self.apply_reference(layer, x, bias)
+        gemv = getattr(layer, "w8a8_gemv", None)
+        if gemv is not None and gemv_fits(x, INT8_GEMV_MAX_M):
+            return int8_gemv_static(gemv, x, layer.w8a8_sx, layer.w8a8_zx, layer.w8a8_deq, layer.w8a8_beta,
+                                    self._float_bias(bias))
         return int8_linear_static(x, layer.w8a8_w_t, layer.w8a8_sx, layer.w8a8_zx, layer.w8a8_deq,
                                   layer.w8a8_beta, self._float_bias(bias))
 

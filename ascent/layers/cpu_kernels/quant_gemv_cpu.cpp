@@ -1,0 +1,316 @@
+// Small-M (decode) integer-weight linear kernels: y[M, N] = x[M, K] @ dequant(W)^T (+ bias), fp32 accumulation,
+// output in x's dtype (float32 / bfloat16 / float16). Weights stream once per call at memory bandwidth; rows are
+// processed in blocks of 4 (one load of each x chunk feeds 4 weight rows) and split over torch's intra-op threads.
+//
+// * w8a16_linear: int8 W [N, K], scale fp32 [N, G] (G groups of K/G columns), optional subtractive zero [N, G]:
+//   W = (q - z) * s.  y = sum_g s[n,g] * (x_g . q_g - z[n,g] * sum(x_g)).
+// * w4a16_pack / w4a16_linear: int4 values q in [-8, 7] stored as u = q + 8 nibbles, two per byte along K (column
+//   2j in the low nibble of byte j, 2j + 1 in the high one): uint8 [N, ceil(K/2)], exactly the bytes of a
+//   compressed-tensors ``weight_packed`` int32 [N, K/8] (little endian), so that tensor is used without a copy.
+//   x is de-interleaved once per call (per 32 columns: the even ones, then the odd ones) so one 16-byte load feeds
+//   two 16-lane FMAs; with bf16 x on AVX512-BF16 (blocks of 64 columns) the nibbles become bf16 128 + u and
+//   VDPBF16PS accumulates exactly (see wo4_block_bf16). Same scale / zero math as W8A16.
+// * w8a8_dynamic_linear: per-token symmetric int8 quantization of x with the rounding of the torch reference
+//   (s = max|x| / 127, q = clamp(nearbyint(x / s), -128, 127), all-zero rows s = 0), exact int32 x_q . W_q
+//   (AVX512-VNNI u8 x s8 with u = q + 128 and the weight row sums as correction), y = acc * s_x * s_w (+ bias).
+// * w8a8_static_linear: per-tensor q = clamp(nearbyint(x / s_x + z_x)), y = (acc + quant_bias) * deq (+ bias).
+//
+// Wide-ISA code lives in functions with target attributes, selected at runtime; the generic path is plain C++.
+// Everything is in namespace ascent_quant, and the module definition is skipped under ASCENT_EMBEDDED_KERNELS, so
+// another source (decode_stack_cpu.cpp) can include this file and call ascent_quant::w8a8_dynamic_linear etc.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace ascent_quant {
+namespace {
+
+constexpr int64_t kRowBlock = 4;     // weight rows sharing one x chunk load
+constexpr int64_t kRowGrain = 64;    // rows per parallel chunk (at least)
+constexpr int64_t kPrefetchRows = 16;  // software prefetch distance in weight rows (past the end is harmless)
+constexpr int64_t kMaxK = 1 << 16;   // int32 accumulators of the u8 x s8 products cannot overflow below this
+int g_force_generic = 0;             // tests: 1 = portable path only
+
+bool use_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl");
+  return ok && !g_force_generic;
+}
+
+bool use_bf16() {
+  static const bool ok = __builtin_cpu_supports("avx512bf16");
+  return ok && use_avx512();
+}
+
+bool use_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512vnni");
+  return ok && use_avx512();
+}
+
+// x [..., K] (CPU, float32 / bfloat16 / float16) as a 2-D [M, K] tensor with unit column stride.
+at::Tensor rows_of(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x must be [..., K] with K = ", k, ", got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, k});
+  return x2.stride(1) == 1 ? x2 : x2.contiguous();
+}
+
+// y [M, N] viewed with x's leading dims: [..., N].
+at::Tensor like_x(const at::Tensor& y, const at::Tensor& x) {
+  if (x.dim() == 2) return y;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = y.size(1);
+  return y.view(shape);
+}
+
+void check_vec(const at::Tensor& t, const char* name, int64_t n, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
+  TORCH_CHECK(t.numel() == n, name, " must have ", n, " elements, got ", t.numel());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+void check_weight(const at::Tensor& w, at::ScalarType dtype) {
+  TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() == 2, "weight must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(w.scalar_type() == dtype, "weight must be ", dtype, ", got ", w.scalar_type());
+}
+
+// Destination column of x column j: itself (block 0), or its slot in the int4 kernels' de-interleaved blocks of
+// `block` columns (the even columns of the block, then the odd ones).
+inline int64_t x_slot(int64_t j, int64_t block) {
+  return block ? (j & ~(block - 1)) + (j & 1) * (block / 2) + ((j & (block - 1)) >> 1) : j;
+}
+
+// x [M, K] -> fp32 rows [M, kp] zero padded (columns permuted by x_slot).
+std::vector<float> float_rows(const at::Tensor& x, int64_t kp, int64_t deinterleave = 0) {
+  const int64_t m = x.size(0), k = x.size(1), ld = x.stride(0);
+  std::vector<float> out(static_cast<size_t>(m * kp), 0.f);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "float_rows", [&] {
+    const scalar_t* p = x.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < k; ++j) out[i * kp + x_slot(j, deinterleave)] = static_cast<float>(p[i * ld + j]);
+  });
+  return out;
+}
+
+__attribute__((target("avx512f"))) float sum_avx512(const float* p, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(p + j));
+  float r = _mm512_reduce_add_ps(acc);
+  for (; j < n; ++j) r += p[j];
+  return r;
+}
+
+// sum(p[0:n]) in fp32 (vectorised where available; the order of the additions is unspecified).
+float row_sum_f32(const float* p, int64_t n) {
+  if (use_avx512()) return sum_avx512(p, n);
+  float r = 0.f;
+  for (int64_t j = 0; j < n; ++j) r += p[j];
+  return r;
+}
+
+// bias (any float dtype, [N]) -> fp32, empty when absent.
+std::vector<float> float_bias(const c10::optional<at::Tensor>& bias_in, int64_t n) {
+  std::vector<float> out;
+  if (!bias_in.has_value() || !bias_in->defined()) return out;
+  TORCH_CHECK(bias_in->device().is_cpu() && bias_in->numel() == n, "bias must be a CPU tensor of ", n, " elements");
+  const at::Tensor bias = bias_in->contiguous();
+  out.resize(static_cast<size_t>(n));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, bias.scalar_type(), "float_bias", [&] {
+    const scalar_t* p = bias.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
+  });
+  return out;
+}
+
+// body(begin, end) over [0, n) in chunks of kRowGrain rows handed out dynamically to torch's intra-op threads: on a
+// shared host a descheduled thread delays the call by at most its current chunk instead of half the matrix.
+template <typename Body>
+void parallel_rows(int64_t n, const Body& body) {
+  const int64_t chunks = (n + kRowGrain - 1) / kRowGrain;
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), chunks);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::max<int64_t>(workers, 1), 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
+      body(c * kRowGrain, std::min(n, (c + 1) * kRowGrain));
+  });
+}
+
+// Writes y (fp32) to out[m, n] in out's dtype (one rounding, nearest-even as torch's casts).
+struct Store {
+  void* base;
+  at::ScalarType dtype;
+  int64_t ld;
+  void operator()(int64_t m, int64_t n, float y) const {
+    switch (dtype) {
+      case at::kFloat: static_cast<float*>(base)[m * ld + n] = y; break;
+      case at::kBFloat16: static_cast<c10::BFloat16*>(base)[m * ld + n] = c10::BFloat16(y); break;
+      default: static_cast<c10::Half*>(base)[m * ld + n] = c10::Half(y); break;
+    }
+  }
+};
+
+#include "quant_wo_blocks.h"
+#include "quant_int8_blocks.h"
+
+}  // namespace
+
+// y [M, N] = x [M, K] @ ((q - zero) * scale)^T (+ bias); q int8 [N, K], scale / zero fp32 [N, G].
+at::Tensor w8a16_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias) {
+  check_weight(weight, at::kChar);
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const at::Tensor x = rows_of(x_in, k);
+  const int64_t groups = check_scales(scale, n, k);
+  const WoArgs a{nullptr, 0, nullptr, nullptr, weight.data_ptr(), k, k, scale.data_ptr<float>(), groups, k / groups};
+  return like_x(weight_only_linear(x, a, /*int4=*/false, /*bf16_int4=*/false, n, zero, bias), x_in);
+}
+
+// int4 values int8 [N, K] (each in [-8, 7]) -> uint8 [N, ceil(K/2)] in the w4a16_linear layout (file header).
+at::Tensor w4a16_pack(const at::Tensor& q) {
+  check_weight(q, at::kChar);
+  const int64_t n = q.size(0), k = q.size(1), kb = (k + 1) / 2;
+  auto out = at::empty({n, kb}, q.options().dtype(at::kByte));
+  const int8_t* src = q.data_ptr<int8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n * k; ++i)
+    TORCH_CHECK(src[i] >= -8 && src[i] <= 7, "int4 value ", static_cast<int>(src[i]), " outside [-8, 7]");
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < kb; ++j) {
+      const int lo = src[r * k + 2 * j] + 8, hi = 2 * j + 1 < k ? src[r * k + 2 * j + 1] + 8 : 8;
+      dst[r * kb + j] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  return out;
+}
+
+// y [M, N] = x [M, K] @ ((q - zero) * scale)^T (+ bias) with q from w4a16_pack's layout; G = 1 or K/G % 32 == 0.
+at::Tensor w4a16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t k, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias) {
+  check_weight(packed, at::kByte);
+  const int64_t n = packed.size(0);
+  TORCH_CHECK(k > 0 && packed.size(1) == (k + 1) / 2, "packed must be [N, ", (k + 1) / 2, "] for K = ", k,
+              ", got ", packed.sizes());
+  const at::Tensor x = rows_of(x_in, k);
+  const int64_t groups = check_scales(scale, n, k);
+  TORCH_CHECK(groups == 1 || (k / groups) % 32 == 0, "int4 group size must be a multiple of 32, got ", k / groups);
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && use_bf16() && (groups == 1 || (k / groups) % 64 == 0);
+  const int64_t block = bf16 ? 64 : 32, kp = (k + block - 1) / block * block;
+  const int64_t gs = groups == 1 ? kp : k / groups;
+  const WoArgs a{nullptr, 0, nullptr, nullptr, packed.data_ptr(), packed.size(1), kp, scale.data_ptr<float>(),
+                 groups, gs};
+  return like_x(weight_only_linear(x, a, /*int4=*/true, bf16, n, zero, bias), x_in);
+}
+
+// Dynamic W8A8: y = (q_x . W_q) * s_x[m] * w_scale[n] (+ bias), q_x / s_x per-token symmetric int8 (torch rounding).
+at::Tensor w8a8_dynamic_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& row_sum,
+                               const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
+  check_int8_weight(weight, row_sum);
+  const int64_t n = weight.size(0), k = weight.size(1), ldx = (k + 63) / 64 * 64;
+  const at::Tensor x = rows_of(x_in, k);
+  const int64_t m_rows = x.size(0);
+  check_vec(w_scale, "w_scale", n, at::kFloat);
+  const bool vnni = use_vnni();
+  const std::vector<float> xf = float_rows(x, k);
+  std::vector<uint8_t> xq(static_cast<size_t>(m_rows * ldx), 0);
+  std::vector<float> sx(static_cast<size_t>(m_rows));
+  for (int64_t m = 0; m < m_rows; ++m) {
+    const float* p = xf.data() + m * k;
+    float amax = 0.f;
+    if (use_avx512()) {
+      amax = amax_avx512(p, k);
+    } else {
+      for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(p[j]));
+    }
+    sx[m] = amax / 127.f;
+    const float div = sx[m] > 0.f ? sx[m] : 1.f;
+    if (use_avx512()) {
+      quant_row_avx512(p, k, div, vnni, xq.data() + m * ldx);
+      continue;
+    }
+    for (int64_t j = 0; j < k; ++j)
+      xq[m * ldx + j] = stored(static_cast<int32_t>(std::min(127.f, std::max(-128.f, std::nearbyint(p[j] / div)))),
+                               vnni);
+  }
+  const std::vector<float> b = float_bias(bias, n);
+  const float* ws = w_scale.data_ptr<float>();
+  return like_x(int8_linear(x, xq, ldx, vnni, weight, row_sum.data_ptr<int32_t>(), [&](int64_t m, int64_t j,
+                                                                                         int32_t acc) {
+    const float y = static_cast<float>(acc) * sx[m] * ws[j];
+    return b.empty() ? y : y + b[j];
+  }), x_in);
+}
+
+// Static W8A8: q_x = clamp(nearbyint(x / s_x + z_x)), y = (q_x . W_q + quant_bias[n]) * deq[n] (+ bias).
+at::Tensor w8a8_static_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& row_sum,
+                              double input_scale, double input_offset, const at::Tensor& deq,
+                              const c10::optional<at::Tensor>& quant_bias, const c10::optional<at::Tensor>& bias) {
+  check_int8_weight(weight, row_sum);
+  const int64_t n = weight.size(0), k = weight.size(1), ldx = (k + 63) / 64 * 64;
+  const at::Tensor x = rows_of(x_in, k);
+  const int64_t m_rows = x.size(0);
+  check_vec(deq, "deq", n, at::kFloat);
+  const int32_t* qb = nullptr;
+  if (quant_bias.has_value() && quant_bias->defined()) {
+    check_vec(*quant_bias, "quant_bias", n, at::kInt);
+    qb = quant_bias->data_ptr<int32_t>();
+  }
+  const bool vnni = use_vnni();
+  const std::vector<float> xf = float_rows(x, k);
+  std::vector<uint8_t> xq(static_cast<size_t>(m_rows * ldx), 0);
+  const float s = static_cast<float>(input_scale), z = static_cast<float>(input_offset);
+  for (int64_t m = 0; m < m_rows; ++m)
+    for (int64_t j = 0; j < k; ++j) {
+      const float v = std::nearbyint(xf[m * k + j] / s + z);
+      xq[m * ldx + j] = stored(static_cast<int32_t>(std::min(127.f, std::max(-128.f, v))), vnni);
+    }
+  const std::vector<float> b = float_bias(bias, n);
+  const float* dp = deq.data_ptr<float>();
+  return like_x(int8_linear(x, xq, ldx, vnni, weight, row_sum.data_ptr<int32_t>(), [&](int64_t, int64_t j,
+                                                                                         int32_t acc) {
+    const int32_t a = qb ? static_cast<int32_t>(static_cast<uint32_t>(acc) + static_cast<uint32_t>(qb[j])) : acc;
+    const float y = static_cast<float>(a) * dp[j];
+    return b.empty() ? y : y + b[j];
+  }), x_in);
+}
+
+// Tests: force the portable path (1) or the best available ISA (0); returns the previous setting.
+int64_t set_force_generic(int64_t value) {
+  const int64_t old = g_force_generic;
+  g_force_generic = static_cast<int>(value);
+  return old;
+}
+
+// Which ISA the kernels use now: "avx512-vnni", "avx512" or "generic".
+std::string isa() {
+  if (!use_avx512()) return "generic";
+  return std::string("avx512") + (use_vnni() ? "-vnni" : "") + (use_bf16() ? "-bf16" : "");
+}
+
+}  // namespace ascent_quant
+
+#ifndef ASCENT_EMBEDDED_KERNELS  // decode_stack_cpu.cpp may include this file into its own module
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("w8a16_linear", &ascent_quant::w8a16_linear,
+        "w8a16_linear(x [...,K], weight int8 [N,K], scale f32 [N,G], zero, bias) -> [...,N]");
+  m.def("w4a16_pack", &ascent_quant::w4a16_pack, "w4a16_pack(q int8 [N,K] in [-8,7]) -> uint8 [N, ceil(K/2)]");
+  m.def("w4a16_linear", &ascent_quant::w4a16_linear,
+        "w4a16_linear(x [...,K], packed uint8, K, scale f32 [N,G], zero, bias) -> [...,N]");
+  m.def("w8a8_dynamic_linear", &ascent_quant::w8a8_dynamic_linear,
+        "w8a8_dynamic_linear(x [...,K], weight int8 [N,K], row_sum i32 [N], w_scale f32 [N], bias)");
+  m.def("w8a8_static_linear", &ascent_quant::w8a8_static_linear,
+        "w8a8_static_linear(x, weight, row_sum, input_scale, input_offset, deq f32 [N], quant_bias i32 [N], bias)");
+  m.def("set_force_generic", &ascent_quant::set_force_generic, "set_force_generic(1|0) -> previous");
+  m.def("isa", &ascent_quant::isa, "isa() -> the instruction set the kernels use");
+}
+#endif  // ASCENT_EMBEDDED_KERNELS

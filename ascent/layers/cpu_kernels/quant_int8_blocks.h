@@ -1,0 +1,135 @@
+// Int8 x int8 (W8A8) block kernels and activation quantization of quant_gemv_cpu.cpp; included there inside
+// namespace ascent_quant's anonymous namespace, after quant_wo_blocks.h.
+#pragma once
+
+// ---------------------------------------------------------------------------------------------------------------
+// W8A8: int8 activations x int8 weights, exact int32 accumulators acc[mb][R].
+// ---------------------------------------------------------------------------------------------------------------
+
+struct I8Args {
+  const uint8_t* xq;  // [M, ldx]: u8 = q + 128 (VNNI) or the int8 bits of q (generic); zero padded
+  int64_t ldx;
+  const int8_t* w;    // [N, K]
+  int64_t k;
+};
+
+template <int R, int MB>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void i8_block_vnni(const I8Args& a, int64_t n,
+                                                                                   const uint8_t* x, int32_t* acc) {
+  __m512i s[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) s[r][m] = _mm512_setzero_si512();
+  const int8_t* w = a.w + n * a.k;
+  for (int64_t k = 0; k < a.k; k += 64) {
+    const __mmask64 mask = a.k - k >= 64 ? ~0ULL : ((1ULL << (a.k - k)) - 1);
+    for (int r = 0; r < R; ++r)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + kPrefetchRows) * a.k + k), _MM_HINT_T0);
+    __m512i xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = _mm512_loadu_si512(x + m * a.ldx + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512i wv = _mm512_maskz_loadu_epi8(mask, w + r * a.k + k);
+      for (int m = 0; m < MB; ++m) s[r][m] = _mm512_dpbusd_epi32(s[r][m], xv[m], wv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[m * R + r] = _mm512_reduce_add_epi32(s[r][m]);
+}
+
+void i8_block_generic(const I8Args& a, int64_t n, int64_t rows, int64_t mb, const uint8_t* x, int32_t* acc) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t m = 0; m < mb; ++m) {
+      const int8_t* xr = reinterpret_cast<const int8_t*>(x + m * a.ldx);
+      const int8_t* wr = a.w + (n + r) * a.k;
+      int32_t dot = 0;
+      for (int64_t k = 0; k < a.k; ++k) dot += static_cast<int32_t>(xr[k]) * static_cast<int32_t>(wr[k]);
+      acc[m * rows + r] = dot;
+    }
+}
+
+using I8BlockFn = void (*)(const I8Args&, int64_t, const uint8_t*, int32_t*);
+
+template <int R>
+I8BlockFn i8_block_fn(int64_t mb) {
+  switch (mb) {
+    case 1: return i8_block_vnni<R, 1>;
+    case 2: return i8_block_vnni<R, 2>;
+    case 3: return i8_block_vnni<R, 3>;
+    default: return i8_block_vnni<R, 4>;
+  }
+}
+
+// Exact sum_k q_x[m, k] * W[n + r, k] for r < rows, tokens [m0, m0 + mb); vnni: the u8 sums less 128 * row_sum.
+void i8_block(const I8Args& a, bool vnni, const int32_t* row_sum, int64_t n, int64_t rows, int64_t m0, int64_t mb,
+              int32_t* acc) {
+  const uint8_t* x = a.xq + m0 * a.ldx;
+  if (!vnni) return i8_block_generic(a, n, rows, mb, x, acc);
+  if (rows == kRowBlock) {
+    i8_block_fn<kRowBlock>(mb)(a, n, x, acc);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      int32_t one[4];
+      i8_block_fn<1>(mb)(a, n + r, x, one);
+      for (int64_t m = 0; m < mb; ++m) acc[m * rows + r] = one[m];
+    }
+  }
+  for (int64_t m = 0; m < mb; ++m)
+    for (int64_t r = 0; r < rows; ++r) acc[m * rows + r] -= 128 * row_sum[n + r];
+}
+
+// Runs the int8 product over all rows and calls epi(m, n, acc) -> fp32 y for each output.
+template <typename Epilogue>
+at::Tensor int8_linear(const at::Tensor& x, const std::vector<uint8_t>& xq, int64_t ldx, bool vnni,
+                       const at::Tensor& w, const int32_t* row_sum, Epilogue epi) {
+  const int64_t m_rows = x.size(0), n_out = w.size(0);
+  const I8Args a{xq.data(), ldx, w.data_ptr<int8_t>(), w.size(1)};
+  auto out = at::empty({m_rows, n_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const Store store{out.data_ptr(), out.scalar_type(), n_out};
+  parallel_rows(n_out, [&](int64_t begin, int64_t end) {
+    int32_t acc[4 * kRowBlock];
+    for (int64_t n = begin; n < end; n += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, end - n);
+      for (int64_t m0 = 0; m0 < m_rows; m0 += 4) {
+        const int64_t mb = std::min<int64_t>(4, m_rows - m0);
+        i8_block(a, vnni, row_sum, n, rows, m0, mb, acc);
+        for (int64_t m = 0; m < mb; ++m)
+          for (int64_t r = 0; r < rows; ++r) store(m0 + m, n + r, epi(m0 + m, n + r, acc[m * rows + r]));
+      }
+    }
+  });
+  return out;
+}
+
+// q (int8 value) -> stored byte: q + 128 for VNNI (u8 operand), the two's-complement bits otherwise.
+inline uint8_t stored(int32_t q, bool vnni) { return static_cast<uint8_t>(vnni ? q + 128 : q); }
+
+__attribute__((target("avx512f"))) float amax_avx512(const float* p, int64_t k) {
+  __m512 mx = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= k; j += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(p + j)));
+  float r = _mm512_reduce_max_ps(mx);
+  for (; j < k; ++j) r = std::max(r, std::fabs(p[j]));
+  return r;
+}
+
+// out[j] = stored(clamp(nearbyint(p[j] / div), -128, 127)): IEEE division and round-half-even as the scalar path.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void quant_row_avx512(const float* p, int64_t k, float div,
+                                                                           bool vnni, uint8_t* out) {
+  const __m512 d = _mm512_set1_ps(div), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
+  const __m512i shift = _mm512_set1_epi32(vnni ? 128 : 0);
+  int64_t j = 0;
+  for (; j + 16 <= k; j += 16) {
+    const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(p + j), d),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(_mm512_add_epi32(q, shift)));
+  }
+  for (; j < k; ++j)
+    out[j] = stored(static_cast<int32_t>(std::min(127.f, std::max(-128.f, std::nearbyint(p[j] / div)))), vnni);
+}
+
+void check_int8_weight(const at::Tensor& w, const at::Tensor& row_sum) {
+  check_weight(w, at::kChar);
+  TORCH_CHECK(w.size(1) <= kMaxK, "K = ", w.size(1), " exceeds ", kMaxK);
+  check_vec(row_sum, "row_sum", w.size(0), at::kInt);
+}
+
