@@ -8,8 +8,9 @@ the non-GEMV time of a small-batch decode step once the weight stream has evicte
 It applies when the model is built only from the stock pieces (``DecoderLayer`` of ``RopeSelfAttention``, with or
 without the per-head q/k RMSNorms of Qwen3 (these run the module path's torch ops, from C++), ``GatedMLP`` with SiLU, linears the stack can call (``linear_call``: unquantized ones with their plain
 weights kept for the small-M kernel, quantized schemes that provide ``decode_stack_call``), tensor parallel size 1, the SDPA backend, no captured hidden states) and the step is decode-only with at most
-``SMALL_M_MAX`` tokens (the range in which the module path also uses the small-M kernel). Anything else runs the
-modules. ``ASCENT_CPU_DECODE_STACK=0`` disables it.
+``max_tokens`` tokens: the range in which the module path uses the same small-M kernels (``SMALL_M_MAX`` for
+bf16/fp16 weights, the schemes' crossovers for quantized ones), so the values are the module path's. Anything else
+runs the modules. ``ASCENT_CPU_DECODE_STACK=0`` disables it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,17 @@ from ascent.layers.linear import UnquantizedLinearMethod
 
 
 LinearSpec = tuple[int, list[torch.Tensor], list[int]]
+
+
+def max_tokens_of(kind: int) -> int:
+    """Tokens per call up to which the module path itself uses this kind's small-M kernel (so the stack, which always
+    does, gives the module path's values)."""
+    from ascent.quantization import kernels
+
+    limits = {0: SMALL_M_MAX, kernels.STACK_KIND_W8A16: kernels.WEIGHT_ONLY_GEMV_MAX_M[8],
+              kernels.STACK_KIND_W4A16: kernels.WEIGHT_ONLY_GEMV_MAX_M[4],
+              kernels.STACK_KIND_W8A8_DYNAMIC: kernels.INT8_GEMV_MAX_M}
+    return limits.get(kind, 0)
 
 
 def linear_call(linear: nn.Module) -> LinearSpec | None:
@@ -66,7 +78,11 @@ def _layer_eligible(layer: nn.Module, rotary_emb: nn.Module) -> bool:
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if any(n.bias is not None or n._fused is None for n in norms):
         return False
-    return all(linear_call(m) is not None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    return all(linear_call(m) is not None for m in _projections(layer))
+
+
+def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
 def _layer_norms(model: nn.Module) -> list[nn.Module]:
@@ -83,11 +99,12 @@ class CpuDecodeStack:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self._ops = decode_stack_ops() if os.environ.get("ASCENT_CPU_DECODE_STACK", "1") != "0" else None
-        self._eligible = self._ops is not None and self._model_eligible()
+        self.steps_run = 0  # decode steps served by the C++ stack (observability and tests)
+        self.max_tokens = 0  # tokens per step the stack takes (the smallest small-M range of its projections)
         self._stack: Any = None
         self._caches: list[torch.Tensor] = []
-        self.steps_run = 0  # decode steps served by the C++ stack (observability and tests)
+        self._ops = decode_stack_ops() if os.environ.get("ASCENT_CPU_DECODE_STACK", "1") != "0" else None
+        self._eligible = self._ops is not None and self._model_eligible()
 
     def _model_eligible(self) -> bool:
         model = self.model
@@ -95,6 +112,7 @@ class CpuDecodeStack:
             return False
         if not all(_layer_eligible(layer, model.rotary_emb) for layer in model.layers):
             return False
+        self.max_tokens = min(max_tokens_of(linear_call(m)[0]) for layer in model.layers for m in _projections(layer))
         return len({n.eps for n in _layer_norms(model)}) == 1
 
     def _build(self, caches: list[torch.Tensor]) -> Any:
@@ -117,7 +135,7 @@ class CpuDecodeStack:
         except RuntimeError:  # a bare forward outside the engine
             return None
         tokens = hidden.shape[0]
-        if type(md) is not SDPAMetadata or tokens > SMALL_M_MAX:
+        if type(md) is not SDPAMetadata or tokens > self.max_tokens:
             return None
         if (md.num_decodes != tokens or md.num_actual_tokens != tokens or md.decode_rows is not None
                 or md.decode_start != 0 or md.write_rows is not None or md.write_slots.shape[0] != tokens

@@ -64,3 +64,20 @@ def test_speculative_verification_through_the_stack_equals_plain_greedy(tmp_path
     spec = spec_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert list(spec) == list(plain)
     assert _decoder_model(spec_llm).__dict__["_decode_stack"].steps_run > 0
+
+
+@pytest.mark.parametrize("scheme,fmt", [("w8a8_dynamic", "compressed-tensors"), ("w8a16", "modelslim"),
+                                        ("w4a16", "compressed-tensors")])
+def test_quantized_stack_equals_module_path(tmp_path, monkeypatch, scheme, fmt):
+    """Quantized projections join the stack through their schemes' small-M kernels (within each scheme's own
+    small-M range, so the values are the module path's)."""
+    from ascent.quantization.export.quantize import quantize_model
+
+    float_dir = build_model("llama", tmp_path / "float", seed=6, hidden_size=128, intermediate_size=256,
+                            head_dim=32)
+    quant_dir = str(tmp_path / scheme)
+    quantize_model(str(float_dir), scheme, fmt, quant_dir, group_size=32, calib_tokens=64, dtype="bfloat16")
+    fused, stack, _ = _run(quant_dir, monkeypatch, "1")
+    assert stack._eligible and stack.steps_run > 0
+    plain, _, _ = _run(quant_dir, monkeypatch, "0")
+    assert fused == plain

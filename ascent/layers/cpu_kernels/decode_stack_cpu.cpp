@@ -8,6 +8,7 @@
 #define ASCENT_EMBEDDED_KERNELS
 #include "fused_cpu.cpp"
 #include "gemv_cpu.cpp"
+#include "quant_gemv_cpu.cpp"
 #undef ASCENT_EMBEDDED_KERNELS
 
 #include <torch/extension.h>
@@ -22,23 +23,32 @@ c10::optional<at::Tensor> optional_tensor(const at::Tensor& t) {
 
 // One projection of a layer: which kernel computes x @ W^T (+ bias) and the operands it takes, in the order the
 // Python side (``LinearMethod.decode_stack_call``) gives them.
+// An empty tensor stands for an absent optional operand.
 struct LinearCall {
-  enum Kind : int64_t { kDense = 0 };
+  enum Kind : int64_t { kDense = 0, kW8A16 = 1, kW4A16 = 2, kW8A8Dynamic = 3 };
   int64_t kind = kDense;
-  std::vector<at::Tensor> tensors;  // kDense: weight [N, K], bias [N] or empty
+  // kDense: [weight [N, K] bf16/fp16, bias]; kW8A16 / kW4A16: [weight (int8 [N, K] / packed int4), scale, zero, bias]
+  // with ints [K] for kW4A16; kW8A8Dynamic: [weight int8 [N, K], row_sum, w_scale, bias]. See quantization/kernels.py.
+  std::vector<at::Tensor> tensors;
   std::vector<int64_t> ints;
 
   at::Tensor operator()(const at::Tensor& x) const {
+    const auto& t = tensors;
     switch (kind) {
-      case kDense: return linear_small_m(x, tensors[0], optional_tensor(tensors[1]));
+      case kDense: return linear_small_m(x, t[0], optional_tensor(t[1]));
+      case kW8A16: return ascent_quant::w8a16_linear(x, t[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
+      case kW4A16:
+        return ascent_quant::w4a16_linear(x, t[0], ints[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
+      case kW8A8Dynamic: return ascent_quant::w8a8_dynamic_linear(x, t[0], t[1], t[2], optional_tensor(t[3]));
       default: TORCH_CHECK(false, "DecodeStack: unknown linear kind ", kind);
     }
   }
 
   static LinearCall make(int64_t kind, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
-    TORCH_CHECK(kind == kDense && tensors.size() == 2 && ints.empty(),
+    const size_t want_tensors = kind == kDense ? 2 : 4, want_ints = kind == kW4A16 ? 1 : 0;
+    TORCH_CHECK(kind >= kDense && kind <= kW8A8Dynamic && tensors.size() == want_tensors && ints.size() == want_ints,
                 "DecodeStack: linear kind ", kind, " with ", tensors.size(), " tensors / ", ints.size(), " ints");
-    TORCH_CHECK(tensors[0].dim() == 2, "DecodeStack: dense weight must be [N, K]");
+    TORCH_CHECK(tensors[0].dim() == 2, "DecodeStack: weight operand must be 2-D");
     return LinearCall{kind, std::move(tensors), std::move(ints)};
   }
 };
