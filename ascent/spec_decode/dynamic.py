@@ -17,6 +17,15 @@ positions whose survival is at least that value, so a request whose drafts are p
 drafts (by that cut, or by ``min_verify_tokens = 0`` with a zero budget) drafts one token on every
 ``probe_interval``-th step so its statistics can recover (:class:`DraftGate`). ``batch_size_k`` is the per-step cap
 of the batch-size schedule.
+
+Cost-aware gate (``cost_gate``, default on): the model runner times every decode step and feeds a
+:class:`~ascent.spec_decode.step_cost.StepCostModel` (``t_step ≈ a + b · tokens + c · [drafts]``, exponentially
+weighted with ``cost_half_life`` steps, active after ``cost_min_samples`` steps); :class:`DraftGate` then keeps a draft
+only while its survival ``s`` pays for its verification, ``s ≥ cost_safety_factor · b · G / (a + b · N)`` (``N``:
+tokens of the step, ``G``: its expected output), and only when the step's drafts together also pay the fixed cost
+``c`` of a verifying step (:func:`~ascent.spec_decode.step_cost.cost_cut`); probes of idle requests are batched into
+the same step. Memory-bound steps (batch 1) keep nearly every draft, compute-bound ones (large batches on few cores)
+only the likely ones.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
+
+from ascent.spec_decode.step_cost import StepCostModel, cost_cut
 
 Schedule = list[tuple[int, int, int]]
 
@@ -82,7 +93,8 @@ def batch_size_k(schedule: Schedule, batch_size: int, max_k: int) -> int:
 @dataclass(frozen=True)
 class DynamicSpecParams:
     """vLLM Ascend ``dynamic_spec_config.method_params`` (defaults as there) plus the ascent extensions
-    ``min_draft_survival`` and ``probe_interval`` (module docstring)."""
+    ``min_draft_survival``, ``probe_interval`` and the cost-aware gate ``cost_gate``, ``cost_safety_factor``,
+    ``cost_half_life``, ``cost_min_samples`` (module docstring)."""
 
     initial_verify_budget_per_req: int = 5
     budget_update_interval: int = 16
@@ -90,6 +102,10 @@ class DynamicSpecParams:
     min_verify_tokens: int = 1
     min_draft_survival: float = 0.0
     probe_interval: int = 16
+    cost_gate: bool = True
+    cost_safety_factor: float = 1.0
+    cost_half_life: float = 64.0
+    cost_min_samples: int = 8
 
     def __post_init__(self) -> None:
         for name, lo in (("initial_verify_budget_per_req", 0), ("budget_update_interval", 1),
@@ -101,6 +117,21 @@ class DynamicSpecParams:
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
                 raise ValueError(f"{name}={t!r} is invalid: must be in [0, 1]")
+        if not isinstance(self.cost_gate, bool):
+            raise ValueError(f"cost_gate={self.cost_gate!r} is invalid: must be true or false")
+        for name, lo, hi in (("cost_safety_factor", 0.0, 100.0), ("cost_half_life", 1.0, 1e6)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+                raise ValueError(f"{name}={v!r} is invalid: must be a number in [{lo:g}, {hi:g}]")
+        v = self.cost_min_samples
+        if isinstance(v, bool) or not isinstance(v, int) or v < 2:
+            raise ValueError(f"cost_min_samples={v!r} is invalid: must be an integer >= 2")
+
+    def step_cost_model(self) -> StepCostModel | None:
+        """A fresh :class:`StepCostModel` for the cost-aware gate (None when ``cost_gate`` is off)."""
+        if not self.cost_gate:
+            return None
+        return StepCostModel(half_life=float(self.cost_half_life), min_samples=self.cost_min_samples)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DynamicSpecParams:
@@ -201,19 +232,27 @@ class AcceptanceStats:
 
 
 class DraftGate:
-    """Per-request cut of the scheduler's keep lengths by estimated survival, with periodic re-probing.
+    """Per-request cut of the scheduler's keep lengths by estimated survival and step cost, with re-probing.
 
     ``apply`` keeps, per request, ``min(keep, #(survival >= min_survival))`` drafts (a prefix: survival is
-    non-increasing). A request left at 0 drafts counts its idle steps; on the ``probe_interval``-th it gets one draft
-    (a probe of the first position), so a request whose text turns repetitive is noticed again.
+    non-increasing); with a ready ``cost`` model the drafts that do not pay for their verification are cut as well
+    (:func:`~ascent.spec_decode.step_cost.cost_cut`, marginal costs times ``cost_safety``). A request left at 0
+    drafts counts its idle steps; on the ``probe_interval``-th it gets one draft (a probe of the first position), so
+    a request whose text turns repetitive is noticed again. Under the cost cut, a probing step also probes the idle
+    requests at least half-way to their probe (one verifying step instead of several).
     """
 
-    def __init__(self, min_survival: float = 0.0, probe_interval: int = 16) -> None:
-        if not 0.0 <= min_survival <= 1.0 or probe_interval < 1:
-            raise ValueError(f"min_survival={min_survival}, probe_interval={probe_interval} are invalid: need "
-                             "0 <= min_survival <= 1 and probe_interval >= 1")
+    def __init__(self, min_survival: float = 0.0, probe_interval: int = 16, cost: StepCostModel | None = None,
+                 cost_safety: float = 1.0) -> None:
+        if not 0.0 <= min_survival <= 1.0 or probe_interval < 1 or not cost_safety >= 0:
+            raise ValueError(f"min_survival={min_survival}, probe_interval={probe_interval}, cost_safety="
+                             f"{cost_safety} are invalid: need 0 <= min_survival <= 1, probe_interval >= 1 and "
+                             "cost_safety >= 0")
         self.min_survival = float(min_survival)
         self.probe_interval = probe_interval
+        self.cost = cost
+        self.cost_safety = float(cost_safety)
+        self.num_cost_cut = 0  # drafts removed by the cost cut (telemetry)
         self._idle: dict[str, int] = {}
 
     def apply(self, req_ids: Sequence[str], token_probs: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -221,15 +260,40 @@ class DraftGate:
         survival = np.cumprod(np.clip(np.asarray(token_probs, dtype=np.float64), 1e-6, 1.0), axis=1)
         keep = np.asarray(keep, dtype=np.int64)
         out = np.minimum(keep, (survival >= self.min_survival).sum(axis=1)) if self.min_survival > 0 else keep.copy()
+        cut_from = out.copy()
+        costed = self.cost is not None and self.cost.ready and len(out) > 0
+        if costed:
+            out = self._cost_cut(survival, cut_from, 0)
+        probes: list[int] = []
         for i, req_id in enumerate(req_ids):
             if out[i] > 0:
                 self._idle.pop(req_id, None)
                 continue
             idle = self._idle.get(req_id, 0) + 1
-            if idle >= self.probe_interval:
-                out[i], idle = 1, 0
             self._idle[req_id] = idle
+            if idle >= self.probe_interval:
+                probes.append(i)
+        if probes and costed:  # one verifying step pays the fixed cost for all: probe the half-due ones with it
+            due = max(1, self.probe_interval // 2)
+            probes += [i for i, r in enumerate(req_ids) if out[i] == 0 and i not in probes and self._idle[r] >= due]
+        for i in probes:
+            out[i] = 1
+            self._idle[req_ids[i]] = 0
+        if probes and costed:  # the step verifies anyway: drafts that only failed to pay the fixed cost may pay now
+            rest = cut_from.copy()
+            rest[probes] = 0
+            extra = self._cost_cut(survival, rest, len(probes))
+            for i in np.flatnonzero(extra > out):
+                out[i] = extra[i]
+                self._idle.pop(req_ids[i], None)
         return out
+
+    def _cost_cut(self, survival: np.ndarray, keep: np.ndarray, forced: int) -> np.ndarray:
+        assert self.cost is not None
+        a, b, c = self.cost.coefficients()
+        cut = cost_cut(survival, keep, a, b, c, self.cost_safety, forced_drafts=forced)
+        self.num_cost_cut += int(keep.sum() - cut.sum())
+        return cut
 
     def remove(self, req_id: str) -> None:
         self._idle.pop(req_id, None)

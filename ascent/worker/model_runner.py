@@ -184,8 +184,14 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------------------------------------ execute
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.spec is None:
+            return self._execute_model(so)
+        with self.spec.timed_step(so):  # step timing for the cost-aware draft gate
+            return self._execute_model(so)
+
+    @torch.inference_mode()
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -14,10 +14,19 @@ then :class:`DraftGate` cuts drafts below ``min_draft_survival`` (a request can 
 every ``probe_interval`` steps). Per step, the number of running requests can cap every draft length
 (``num_speculative_tokens_per_batch_size``) or switch speculation off (``speculative_disable_by_batch_size``); a step
 without drafts skips the proposer's drafting entirely (it still learns the committed tokens).
+
+Step timing (cost-aware gate, ``dynamic_params.cost_gate``): the model runner wraps every step in
+:meth:`SpecDecodeRunner.timed_step`; a decode-only step (every request computes 1 token plus its drafts) yields one
+sample ``(tokens, seconds, carried drafts)`` for the :class:`StepCostModel`, where ``seconds`` runs from its start to
+the next step's start (so scheduler and output processing count), or is its own execution time when the engine idled
+in between.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,10 +40,15 @@ from ascent.spec_decode.dynamic import (AcceptanceStats, DraftGate, DynamicSpecP
                                         batch_size_k)
 from ascent.spec_decode.model_proposer import ModelProposer, TargetStep
 from ascent.spec_decode.registry import get_proposer_cls
+from ascent.spec_decode.step_cost import StepCostModel
 from ascent.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
     from ascent.config import EngineConfig
+    from ascent.core.sched_output import SchedulerOutput
+
+# a step-to-step period above this multiple of the step's own execution time means the engine idled in between
+IDLE_GAP_FACTOR = 3.0
 
 
 class SpecDecodeRunner:
@@ -50,11 +64,17 @@ class SpecDecodeRunner:
         self.dynamic: DynamicSpecScheduler | None = None
         self.acceptance: AcceptanceStats | None = None
         self.gate: DraftGate | None = None
+        self.step_cost: StepCostModel | None = None
         if config.dynamic:
             params = DynamicSpecParams.from_dict(config.dynamic_params)
             self.dynamic = DynamicSpecScheduler(self.k, params)
             self.acceptance = AcceptanceStats(self.k)
-            self.gate = DraftGate(params.min_draft_survival, params.probe_interval)
+            self.step_cost = params.step_cost_model()
+            self.gate = DraftGate(params.min_draft_survival, params.probe_interval, self.step_cost,
+                                  params.cost_safety_factor)
+        self.clock: Callable[[], float] = time.perf_counter  # injectable (tests)
+        self._step_open: tuple[int, float, bool] | None = None  # (tokens, start, verify) of the running step
+        self._step_done: tuple[int, float, float, bool] | None = None  # + busy seconds, of the previous step
         self.last_draft_lengths: dict[str, int] = {}  # per request, the draft budget of the latest proposal
 
     def load_model(self, target_model: torch.nn.Module, engine_config: EngineConfig | None = None) -> None:
@@ -93,6 +113,29 @@ class SpecDecodeRunner:
                 self.acceptance.remove(req_id)
             if self.gate is not None:
                 self.gate.remove(req_id)
+
+    # ------------------------------------------------------------------------------------------------ timing
+    @contextmanager
+    def timed_step(self, so: SchedulerOutput) -> Iterator[None]:
+        """Wrap one model-runner step: feeds the step-cost model (module docstring); a no-op without one."""
+        if self.step_cost is None:
+            yield
+            return
+        now = self.clock()
+        if self._step_done is not None:
+            tokens, start, busy, verify = self._step_done
+            period = now - start
+            self.step_cost.observe(tokens, period if period <= IDLE_GAP_FACTOR * busy else busy, verify)
+            self._step_done = None
+        num_reqs = len(so.num_scheduled_tokens)
+        num_drafts = sum(len(d) for d in so.scheduled_spec_decode_tokens.values())
+        decode_only = num_reqs > 0 and so.total_num_scheduled_tokens == num_reqs + num_drafts
+        self._step_open = (so.total_num_scheduled_tokens, now, num_drafts > 0) if decode_only else None
+        yield
+        if self._step_open is not None:
+            tokens, start, verify = self._step_open
+            self._step_done = (tokens, start, self.clock() - start, verify)
+            self._step_open = None
 
     # ------------------------------------------------------------------------------------------------ drafts
     def verify(self, drafts: list[list[int]], target_logits: torch.Tensor, metadata: SamplingMetadata,

@@ -2,47 +2,25 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from ascent import LLM, SamplingParams
-from ascent.spec_decode.base import Proposer
+from tests.fixtures.scripted_proposer import BAD, GOOD, ScriptedProposer, plain_continuations, run_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-GOOD, BAD = [31, 32, 33, 34, 35, 36, 37], [91, 92, 93, 94, 95]
 K = 4
 
 
-class _ScriptedProposer(Proposer):
-    """Drafts the true greedy continuation for GOOD, tokens that are never right for BAD (test-only)."""
-
-    def __init__(self, config, max_model_len, truth: dict[tuple[int, ...], list[int]]) -> None:
-        super().__init__(config, max_model_len)
-        self.truth = truth
-        self.budgets: dict[tuple[int, ...], list[int]] = {p: [] for p in truth}
-
-    def propose(self, req_ids, token_ids, max_num_tokens):
-        out = np.full((len(req_ids), self.k), -1, dtype=np.int64)
-        for i, toks in enumerate(token_ids):
-            prompt = next(p for p in self.truth if tuple(toks[: len(p)]) == p)
-            self.budgets[prompt].append(max_num_tokens[i])
-            done = len(toks) - len(prompt)
-            cont = self.truth[prompt][done: done + max_num_tokens[i]]
-            if prompt == tuple(BAD):
-                cont = [(t + 1) % 512 for t in cont]
-            out[i, : len(cont)] = cont
-        return out
+_ScriptedProposer = ScriptedProposer
 
 
 def _run(llm: LLM, prompts) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return run_greedy(llm, prompts, GREEDY)
 
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama_dir) -> dict[tuple[int, ...], list[int]]:
-    llm = LLM(model=tiny_llama_dir, dtype="float32", max_model_len=128, disable_log_stats=True)
-    return dict(zip((tuple(GOOD), tuple(BAD)), _run(llm, [GOOD, BAD])))
+    return plain_continuations(tiny_llama_dir, GREEDY)
 
 
 def _dynamic_llm(model_dir: str, plain) -> tuple[LLM, _ScriptedProposer]:
