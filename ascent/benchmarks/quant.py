@@ -1,6 +1,7 @@
 """``ascent bench quant``: quantized checkpoints against the bf16 model in one process.
 
-Every scheme is exported once (``ascent quantize``, RTN, cached in a temporary or ``--cache-dir`` directory); then the
+Every scheme is exported once (``ascent quantize``, RTN, cached in a temporary or ``--cache-dir`` directory whose
+per-scheme folder names the format and whether ``--quantize-lm-head`` quantized the lm_head); then the
 bf16 engine and one engine per scheme are built with the same settings and measured *interleaved* (each round visits
 every variant, the order rotates between rounds, the best round is reported and all are kept; one untimed
 full-length warm-up generate per engine and batch size comes first):
@@ -64,18 +65,23 @@ def parse_list(text: str, kind: type = str) -> list[Any]:
     return items
 
 
-def pick_group_size(model: Any, requested: int | None) -> int:
+def pick_group_size(model: Any, requested: int | None, quantize_lm_head: bool = False) -> int:
     """``requested`` or the largest of 128 / 64 / 32 dividing the input size of every quantized linear."""
     from ascent.quantization.export.calibrate import quantized_linear_names
 
     if requested:
         return requested
-    sizes = {model.get_submodule(n).in_features for n in quantized_linear_names(model)}
+    sizes = {model.get_submodule(n).in_features for n in quantized_linear_names(model, quantize_lm_head)}
     for group in GROUP_CANDIDATES:
         if all(k % group == 0 for k in sizes):
             return group
     raise ValueError(f"no group size in {GROUP_CANDIDATES} divides every input size {sorted(sizes)}; "
                      "pass --group-size")
+
+
+def export_dir_name(scheme: str, fmt: str, quantize_lm_head: bool) -> str:
+    """Cache folder of one export: float-head and quantized-head exports never share one."""
+    return f"{scheme}-{fmt}-lmhead_{'quant' if quantize_lm_head else 'float'}"
 
 
 def export_schemes(args: argparse.Namespace, cache: Path) -> dict[str, dict[str, Any]]:
@@ -86,17 +92,19 @@ def export_schemes(args: argparse.Namespace, cache: Path) -> dict[str, dict[str,
 
     results: dict[str, dict[str, Any]] = {}
     float_model = None
+    head = bool(getattr(args, "quantize_lm_head", False))
     for scheme in args.schemes:
-        out = cache / f"{scheme}-{args.format}"
+        out = cache / export_dir_name(scheme, args.format, head)
         record: dict[str, Any] = {"path": str(out), "error": None}
         try:
             if not (out / "config.json").is_file():
                 if float_model is None:
                     float_model = load_float_model(args.model, "bfloat16")
-                    args.group_size = pick_group_size(float_model.model, args.group_size)
+                    args.group_size = pick_group_size(float_model.model, args.group_size, head)
                 model = copy.deepcopy(float_model) if args.smoothquant is not None else float_model
                 res = export_float_model(model, scheme, args.format, out, group_size=args.group_size or 128,
-                                         smoothquant=args.smoothquant, calib_tokens=args.calib_tokens)
+                                         smoothquant=args.smoothquant, calib_tokens=args.calib_tokens,
+                                         quantize_lm_head=head)
                 record["export_seconds"] = res.seconds
             record["checkpoint_bytes"] = sum(p.stat().st_size for p in out.glob("*.safetensors"))
         except Exception as exc:  # noqa: BLE001 - one failing scheme must not stop the benchmark
@@ -261,7 +269,8 @@ def run_quant_bench(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"schemes": args.schemes, "format": args.format, "batch_sizes": args.batch_sizes,
                    "decode_tokens": args.decode_tokens, "input_len": args.input_len, "rounds": args.rounds,
                    "ppl_tokens": args.ppl_tokens, "ppl_window": args.ppl_window, "group_size": args.group_size,
-                   "smoothquant": args.smoothquant, "calib_tokens": args.calib_tokens, "seed": args.seed,
+                   "smoothquant": args.smoothquant, "calib_tokens": args.calib_tokens,
+                   "quantize_lm_head": bool(getattr(args, "quantize_lm_head", False)), "seed": args.seed,
                    "num_threads": threads, "max_num_seqs": args.max_num_seqs,
                    "kv_cache_memory_bytes": args.kv_cache_memory_bytes},
         "variants": summary,
@@ -320,6 +329,8 @@ def add_quant_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="w4a16 group size (default: the largest of 128/64/32 dividing every K)")
     parser.add_argument("--smoothquant", type=float, default=None, metavar="ALPHA", help="SmoothQuant alpha")
     parser.add_argument("--calib-tokens", type=positive_int, default=512, help="calibration tokens")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="quantize lm_head with each scheme too (tied models are untied)")
     parser.add_argument("--cache-dir", default=None, help="keep / reuse the exports here (default: a temp dir)")
     parser.add_argument("--output-json", default=None, help="write the result JSON to this path")
 

@@ -34,11 +34,27 @@ class ChannelStats:
         return ChannelStats(self.min / divisor, self.max / divisor)
 
 
-def quantized_linear_names(model: nn.Module) -> list[str]:
+def lm_head_name(model: nn.Module) -> str | None:
+    """Name of the output projection (the ``nn.Linear`` called ``lm_head``, e.g. ``lm_head`` or
+    ``language_model.lm_head``); None when the model has none."""
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] == "lm_head"]
+    return names[0] if names else None
+
+
+def quantized_linear_names(model: nn.Module, include_lm_head: bool = False) -> list[str]:
     """Names of the linears an export quantizes: every ``nn.Linear`` inside the decoder layers (attention and MLP
-    projections); embeddings, ``lm_head`` and norms stay float."""
-    return [name for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and ".layers." in f".{name}" and not name.endswith("lm_head")]
+    projections), plus ``lm_head`` (last) when ``include_lm_head``; embeddings and norms stay float.
+
+    ValueError when ``include_lm_head`` is set and the model has no ``lm_head`` linear."""
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and ".layers." in f".{name}" and not name.endswith("lm_head")]
+    if include_lm_head:
+        head = lm_head_name(model)
+        if head is None:
+            raise ValueError(f"{type(model).__name__} has no lm_head linear to quantize")
+        names.append(head)
+    return names
 
 
 def corpus_text(path: Path | str | None = None) -> str:

@@ -41,6 +41,9 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto",
                         choices=("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"),
                         help="dtype of the exported float tensors and scales (auto = the model's; bf16 for GGUF)")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="also quantize lm_head with the same scheme (a tied model is untied: the input "
+                             "embedding stays float, config.json gets tie_word_embeddings=false)")
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -48,7 +51,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from ascent.quantization.export.quantize import quantize_model
 
     result = quantize_model(args.model, args.scheme, args.fmt, args.out, group_size=args.group_size,
-                            smoothquant=args.smoothquant, calib_tokens=args.calib_tokens, dtype=args.dtype)
+                            smoothquant=args.smoothquant, calib_tokens=args.calib_tokens, dtype=args.dtype,
+                            quantize_lm_head=args.quantize_lm_head)
     print(f"quantized {len(result.quantized_layers)} linears with {result.scheme} ({result.format}, "
           f"{str(result.dtype).removeprefix('torch.')}) in {result.seconds:.1f} s -> {result.out_dir}")
     print("  files: " + ", ".join(result.files))

@@ -1,8 +1,8 @@
 """compressed-tensors checkpoint writer (the layout LLM-Compressor saves with ``save_compressed=True``).
 
 ``config.json`` gets a ``quantization_config`` (``quant_method: compressed-tensors``, one ``config_groups`` entry
-targeting ``Linear``, ``ignore: ["lm_head"]``, ``quantization_status: compressed``); tensors per quantized linear
-``P``:
+targeting ``Linear``, ``ignore: ["lm_head"]`` - empty when the lm_head is quantized too (``--quantize-lm-head``) -
+``quantization_status: compressed``); tensors per quantized linear ``P``:
 
 * ``int-quantized`` (w8a8, w8a8_dynamic, w4a8): ``weight`` int8 [N, K] (int4 values one per int8),
   ``weight_scale`` model dtype [N, 1]; w8a8 static adds ``input_scale`` [1] (symmetric per-tensor, absmax / 127);
@@ -41,8 +41,10 @@ def _args(num_bits: int, strategy: str, dynamic: bool, group_size: int | None = 
             "symmetric": True, "type": "int"}
 
 
-def quantization_config(scheme: ExportScheme, group_size: int | None) -> dict[str, Any]:
-    """The ``quantization_config`` block of ``config.json`` for ``scheme``."""
+def quantization_config(scheme: ExportScheme, group_size: int | None,
+                        quantize_lm_head: bool = False) -> dict[str, Any]:
+    """The ``quantization_config`` block of ``config.json`` for ``scheme`` (``lm_head`` ignored unless
+    ``quantize_lm_head``: the ``Linear`` target then covers it)."""
     fmt = ct_format(scheme)
     weights = (_args(scheme.weight_bits, "group", False, group_size) if scheme.grouped
                else _args(scheme.weight_bits, "channel", False))
@@ -57,7 +59,7 @@ def quantization_config(scheme: ExportScheme, group_size: int | None) -> dict[st
         "config_groups": {"group_0": group},
         "format": fmt,
         "global_compression_ratio": None,
-        "ignore": ["lm_head"],
+        "ignore": [] if quantize_lm_head else ["lm_head"],
         "kv_cache_scheme": None,
         "moe_sparsity_config": None,
         "quant_method": "compressed-tensors",
@@ -87,11 +89,13 @@ def layer_tensors(layer: LayerExport, scheme: ExportScheme, dtype: torch.dtype) 
 
 def write_compressed_tensors(out_dir: Path, float_tensors: dict[str, torch.Tensor], layers: list[LayerExport],
                              scheme: ExportScheme, dtype: torch.dtype, group_size: int | None) -> dict[str, Any]:
-    """Write ``model.safetensors`` into ``out_dir``; returns the ``quantization_config`` for ``config.json``."""
+    """Write ``model.safetensors`` into ``out_dir``; returns the ``quantization_config`` for ``config.json`` (the
+    ``ignore`` list drops ``lm_head`` when ``layers`` contain it)."""
     quantized = {layer.name: layer for layer in layers}
     tensors = {name: t.contiguous() for name, t in float_tensors.items() if name.rsplit(".", 1)[0] not in quantized}
     for layer in layers:
         for suffix, tensor in layer_tensors(layer, scheme, dtype).items():
             tensors[f"{layer.name}.{suffix}"] = tensor
     save_file(tensors, str(Path(out_dir) / WEIGHTS_FILE), metadata={"format": "pt"})
-    return quantization_config(scheme, group_size if scheme.grouped else None)
+    head_quantized = any(name.rsplit(".", 1)[-1] == "lm_head" for name in quantized)
+    return quantization_config(scheme, group_size if scheme.grouped else None, head_quantized)

@@ -13,7 +13,8 @@ Per quantized linear ``P`` (N = out, K = in; "model dtype" = the export dtype):
   ``weight_scale`` / ``weight_offset`` fp32 [N, 1], ``scale_bias`` fp32 = 8 * sum_k Wq[n, k] * weight_scale[n]:
   [N, 1] for column-parallel layers, [N, 16] partial sums over 16 equal K-chunks for o_proj / down_proj.
 
-A float ``bias`` is written too when the layer has one. Every other tensor is FLOAT in the description.
+A float ``bias`` is written too when the layer has one. Every other tensor is FLOAT in the description. A quantized
+``lm_head`` (``--quantize-lm-head``) is one more column-parallel linear: its tensors carry the scheme's type.
 """
 
 from __future__ import annotations

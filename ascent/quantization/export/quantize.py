@@ -1,6 +1,10 @@
 """``quantize_model``: float model -> (optional SmoothQuant) -> RTN of every attention / MLP linear -> a complete
 HF-format model directory in the ModelSlim or compressed-tensors layout (config.json, generation_config.json,
-tokenizer files, safetensors; ModelSlim adds quant_model_description.json)."""
+tokenizer files, safetensors; ModelSlim adds quant_model_description.json).
+
+``quantize_lm_head=True`` also quantizes ``lm_head`` with the same scheme (calibrated like the other linears for
+static activation schemes). A tied model is untied: ``model.embed_tokens.weight`` stays float, the quantized
+``lm_head`` tensors are written and config.json gets ``tie_word_embeddings: false``."""
 
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ class ExportResult:
     seconds: float
     smoothquant_alpha: float | None = None
     files: list[str] = field(default_factory=list)
+    quantize_lm_head: bool = False
 
 
 def _float_tensors(model: Any) -> dict[str, torch.Tensor]:
@@ -49,8 +54,14 @@ def _float_tensors(model: Any) -> dict[str, torch.Tensor]:
     return state
 
 
-def _write_config(model: Any, out_dir: Path, dtype: torch.dtype, quant_config: dict[str, Any] | None) -> None:
+def _write_config(model: Any, out_dir: Path, dtype: torch.dtype, quant_config: dict[str, Any] | None,
+                  untie: bool = False) -> None:
+    """config.json of the export; ``untie`` sets ``tie_word_embeddings: false`` (top level and ``text_config``)."""
     config = model.config.to_dict()
+    if untie:
+        config["tie_word_embeddings"] = False
+        if isinstance(config.get("text_config"), dict) and "tie_word_embeddings" in config["text_config"]:
+            config["text_config"]["tie_word_embeddings"] = False
     config["dtype"] = str(dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
     config.pop("_name_or_path", None)
@@ -63,15 +74,16 @@ def _write_config(model: Any, out_dir: Path, dtype: torch.dtype, quant_config: d
 
 def export_float_model(fm: FloatModel, scheme_name: str, fmt: str, out_dir: str | Path,
                        group_size: int = DEFAULT_GROUP_SIZE, smoothquant: float | None = None,
-                       calib_tokens: int = DEFAULT_CALIB_TOKENS) -> ExportResult:
-    """Quantize the already loaded ``fm`` (modified in place when ``smoothquant`` is set) and write ``out_dir``."""
+                       calib_tokens: int = DEFAULT_CALIB_TOKENS, quantize_lm_head: bool = False) -> ExportResult:
+    """Quantize the already loaded ``fm`` (modified in place when ``smoothquant`` is set) and write ``out_dir``;
+    ``quantize_lm_head`` quantizes ``lm_head`` too (untying a tied model, see the module docstring)."""
     start = time.perf_counter()
     scheme = get_scheme(scheme_name)
     if fmt not in FORMATS:
         raise ValueError(f"format={fmt!r} is not one of {FORMATS}")
     model, dtype = fm.model, fm.dtype
-    names = quantized_linear_names(model)
-    if not names:
+    names = quantized_linear_names(model, include_lm_head=quantize_lm_head)
+    if not [n for n in names if not n.endswith("lm_head")]:
         raise ValueError(f"{type(model).__name__} has no decoder-layer linears to quantize")
     modules = dict(model.named_modules())
     if scheme.grouped:
@@ -97,20 +109,21 @@ def export_float_model(fm: FloatModel, scheme_name: str, fmt: str, out_dir: str 
         write_modelslim(out, tensors, layers, scheme, dtype, group_size)
     else:
         quant_config = write_compressed_tensors(out, tensors, layers, scheme, dtype, group_size)
-    _write_config(model, out, dtype, quant_config)
+    _write_config(model, out, dtype, quant_config, untie=quantize_lm_head)
     fm.generation_config.save_pretrained(str(out))
     fm.tokenizer.save_pretrained(str(out))
     return ExportResult(out, scheme.name, fmt, dtype, names, time.perf_counter() - start, smoothquant,
-                        sorted(p.name for p in out.iterdir()))
+                        sorted(p.name for p in out.iterdir()), quantize_lm_head)
 
 
 def quantize_model(model: str | None, scheme: str, fmt: str, out_dir: str | Path,
                    group_size: int = DEFAULT_GROUP_SIZE, smoothquant: float | None = None,
-                   calib_tokens: int = DEFAULT_CALIB_TOKENS, dtype: str | None = "auto") -> ExportResult:
+                   calib_tokens: int = DEFAULT_CALIB_TOKENS, dtype: str | None = "auto",
+                   quantize_lm_head: bool = False) -> ExportResult:
     """Load ``model`` (HF dir, ``.gguf`` or None/"default" = SmolLM2) in ``dtype`` and export it (see
     :func:`export_float_model`)."""
     get_scheme(scheme)
     if fmt not in FORMATS:
         raise ValueError(f"format={fmt!r} is not one of {FORMATS}")
     return export_float_model(load_float_model(model, dtype), scheme, fmt, out_dir, group_size, smoothquant,
-                              calib_tokens)
+                              calib_tokens, quantize_lm_head)
