@@ -175,6 +175,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             make_layer(i, rotary_emb, join_prefix(prefix, f"layers.{i}")) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self._decode_stack: CpuDecodeStack | None = None  # built at the first forward, after weight processing
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         with self.rotary_emb.step_cache(positions):  # cos/sin gathered once for all layers
@@ -182,13 +183,13 @@ class DecoderModel(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """(Re)loaded weights: the C++ decode stack holding them is rebuilt at the next eligible step."""
-        self.__dict__["_decode_stack"] = None
+        self._decode_stack = None
 
     def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        stack = self.__dict__.get("_decode_stack")
+        stack = self._decode_stack
         if stack is None:
-            stack = self.__dict__["_decode_stack"] = CpuDecodeStack(self)
+            stack = self._decode_stack = CpuDecodeStack(self)
         stacked = stack.forward(hidden_states, positions)
         if stacked is not None:  # every layer in one C++ call (decode-only CPU step)
             hidden_states, _ = self.norm(*stacked)

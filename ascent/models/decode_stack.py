@@ -5,12 +5,14 @@ The CPU analogue of a captured decode graph (vLLM Ascend's ACL graph / npugraph_
 order, so its output equals the module path bit for bit; it only removes the per-module Python cost, which dominates
 the non-GEMV time of a small-batch decode step once the weight stream has evicted the caches.
 
-It applies when the model is built only from the stock pieces (``DecoderLayer`` of ``RopeSelfAttention``, with or
-without the per-head q/k RMSNorms of Qwen3 (these run the module path's torch ops, from C++), ``GatedMLP`` with SiLU, linears the stack can call (``linear_call``: unquantized ones with their plain
-weights kept for the small-M kernel, quantized schemes that provide ``decode_stack_call``), tensor parallel size 1, the SDPA backend, no captured hidden states) and the step is decode-only with at most
-``max_tokens`` tokens: the range in which the module path uses the same small-M kernels (``SMALL_M_MAX`` for
-bf16/fp16 weights, the schemes' crossovers for quantized ones), so the values are the module path's. Anything else
-runs the modules. ``ASCENT_CPU_DECODE_STACK=0`` disables it.
+It applies when the model is built only from the stock pieces: ``DecoderLayer`` of ``RopeSelfAttention`` (with or
+without Qwen3's per-head q/k RMSNorms, which run the module path's torch ops from C++), ``GatedMLP`` with SiLU,
+projections the stack can call (``linear_call``: unquantized ones with their plain weights kept for the small-M
+kernel, quantized schemes that provide ``decode_stack_call``), tensor parallel size 1, the SDPA backend and no
+captured hidden states; and when the step is decode-only with at most ``max_tokens`` tokens: the range in which the
+module path uses the same small-M kernels (``SMALL_M_MAX`` for bf16/fp16 weights, the schemes' crossovers for
+quantized ones), so the values are the module path's. Anything else runs the modules.
+``ASCENT_CPU_DECODE_STACK=0`` disables it.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class CpuDecodeStack:
         self.max_tokens = 0  # tokens per step the stack takes (the smallest small-M range of its projections)
         self._stack: Any = None
         self._caches: list[torch.Tensor] = []
+        self._attention: list[nn.Module] = []  # the layers' Attention modules (their kv_cache is bound later)
         self._ops = decode_stack_ops() if os.environ.get("ASCENT_CPU_DECODE_STACK", "1") != "0" else None
         self._eligible = self._ops is not None and self._model_eligible()
 
@@ -112,8 +115,12 @@ class CpuDecodeStack:
             return False
         if not all(_layer_eligible(layer, model.rotary_emb) for layer in model.layers):
             return False
+        if len({n.eps for n in _layer_norms(model)}) != 1:
+            return False
         self.max_tokens = min(max_tokens_of(linear_call(m)[0]) for layer in model.layers for m in _projections(layer))
-        return len({n.eps for n in _layer_norms(model)}) == 1
+        self._dtype = model.layers[0].input_layernorm.weight.dtype
+        self._attention = [layer.self_attn.attn for layer in model.layers]
+        return True
 
     def _build(self, caches: list[torch.Tensor]) -> Any:
         first = self.model.layers[0].self_attn
@@ -148,13 +155,12 @@ class CpuDecodeStack:
         run the modules. Call inside the rotary ``step_cache(positions)``."""
         if not self._eligible or hidden.device.type != "cpu":
             return None
-        layers = self.model.layers
-        if hidden.dtype is not layers[0].input_layernorm.weight.dtype:
+        if hidden.dtype is not self._dtype:
             return None
         md = self._step_metadata(hidden)
         if md is None:
             return None
-        caches = [layer.self_attn.attn.kv_cache for layer in layers]
+        caches = [attention.kv_cache for attention in self._attention]
         if self._stack is None or any(a is not b for a, b in zip(caches, self._caches)):
             if any(c.numel() == 0 or c.dtype is not hidden.dtype for c in caches):
                 return None

@@ -25,7 +25,7 @@ def _run(model_dir: str, monkeypatch, stack: str, **engine_kwargs):
               for o in outs + one_by_one]
     model = _decoder_model(llm)
     windows = [layer.self_attn.attn.impl.sliding_window for layer in model.layers]
-    return result, model.__dict__.get("_decode_stack"), windows
+    return result, model._decode_stack, windows
 
 
 @pytest.mark.parametrize("kind,layer_types", [("llama", None), ("llama", ["sliding_attention", "full_attention"]),
@@ -63,7 +63,7 @@ def test_speculative_verification_through_the_stack_equals_plain_greedy(tmp_path
                                                        "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **common)
     spec = spec_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert list(spec) == list(plain)
-    assert _decoder_model(spec_llm).__dict__["_decode_stack"].steps_run > 0
+    assert _decoder_model(spec_llm)._decode_stack.steps_run > 0
 
 
 @pytest.mark.parametrize("scheme,fmt", [("w8a8_dynamic", "compressed-tensors"), ("w8a16", "modelslim"),
