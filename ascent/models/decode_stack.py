@@ -7,11 +7,12 @@ the non-GEMV time of a small-batch decode step once the weight stream has evicte
 
 It applies when the model is built only from the stock pieces: ``DecoderLayer`` of ``RopeSelfAttention`` (with or
 without Qwen3's per-head q/k RMSNorms, which run the module path's torch ops from C++), ``GatedMLP`` with SiLU,
-projections the stack can call (``linear_call``: unquantized ones with their plain weights kept for the small-M
-kernel, quantized schemes that provide ``decode_stack_call``), tensor parallel size 1, the SDPA backend and no
-captured hidden states; and when the step is decode-only with at most ``max_tokens`` tokens: the range in which the
-module path uses the same small-M kernels (``SMALL_M_MAX`` for bf16/fp16 weights, the schemes' crossovers for
-quantized ones), so the values are the module path's. Anything else runs the modules.
+projections the stack can call (``linear_call``: unquantized ones with a plain or a oneDNN-packed weight, quantized
+schemes that provide ``decode_stack_call``), tensor parallel size 1, the SDPA backend and no
+captured hidden states; and when the step is decode-only with at most ``max_tokens`` tokens: for quantized
+projections the range in which the module path uses the same small-M kernels (the schemes' crossovers), so the values
+are the module path's; unquantized ones make the module path's per-call choice (small-M kernel up to ``SMALL_M_MAX``
+rows, else the oneDNN-packed weight) and take any number of tokens. Anything else runs the modules.
 ``ASCENT_CPU_DECODE_STACK=0`` disables it.
 """
 
@@ -32,14 +33,17 @@ from ascent.layers.linear import UnquantizedLinearMethod
 
 
 LinearSpec = tuple[int, list[torch.Tensor], list[int]]
+# Unquantized projections choose between the small-M kernel and the packed weight per call exactly as the modules do,
+# so they put no bound on the step's tokens.
+UNBOUNDED_TOKENS = 1 << 30
 
 
 def max_tokens_of(kind: int) -> int:
     """Tokens per call up to which the module path itself uses this kind's small-M kernel (so the stack, which always
-    does, gives the module path's values)."""
+    does, gives the module path's values); unquantized projections make the module path's choice per call."""
     from ascent.quantization import kernels
 
-    limits = {0: SMALL_M_MAX, kernels.STACK_KIND_W8A16: kernels.WEIGHT_ONLY_GEMV_MAX_M[8],
+    limits = {0: UNBOUNDED_TOKENS, kernels.STACK_KIND_W8A16: kernels.WEIGHT_ONLY_GEMV_MAX_M[8],
               kernels.STACK_KIND_W4A16: kernels.WEIGHT_ONLY_GEMV_MAX_M[4],
               kernels.STACK_KIND_W8A8_DYNAMIC: kernels.INT8_GEMV_MAX_M}
     return limits.get(kind, 0)
@@ -48,17 +52,22 @@ def max_tokens_of(kind: int) -> int:
 def linear_call(linear: nn.Module) -> LinearSpec | None:
     """How the C++ stack computes this projection: ``(kind, tensors, ints)`` as ``LinearCall`` in
     ``decode_stack_cpu.cpp`` documents, or None when the module path must run it. Kind 0 = the small-M kernel on the
-    plain bf16/fp16 weight (with the bias, if any, in the weight's dtype)."""
+    plain bf16/fp16 weight up to ``ints[0]`` rows (0 when only the packed copy is kept), else the oneDNN-packed
+    weight: the choice ``cpu_packing.cpu_linear`` makes (the bias, if any, in the weight's dtype)."""
     if getattr(linear, "tp_size", 1) != 1:
         return None
     method = linear.quant_method
     if type(method) is UnquantizedLinearMethod:
         weight, bias = linear.weight, linear.bias
-        if getattr(linear, "small_m_ops", None) is None or weight.numel() == 0:
+        packed = getattr(linear, "packed_weight", None)
+        small_m = getattr(linear, "small_m_ops", None) is not None and weight.numel() > 0
+        if not small_m and packed is None:
             return None
         if bias is not None and bias.dtype is not weight.dtype:
             return None
-        return 0, [weight, bias if bias is not None else torch.empty(0, dtype=weight.dtype)], []
+        empty = torch.empty(0, dtype=weight.dtype)
+        return 0, [weight, bias if bias is not None else empty, packed if packed is not None else empty], \
+            [SMALL_M_MAX if small_m else 0]
     call = getattr(method, "decode_stack_call", None)
     return call(linear) if call is not None else None
 
@@ -102,6 +111,7 @@ class CpuDecodeStack:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.steps_run = 0  # decode steps served by the C++ stack (observability and tests)
+        self.largest_step = 0  # most tokens of a step it served
         self.max_tokens = 0  # tokens per step the stack takes (the smallest small-M range of its projections)
         self._stack: Any = None
         self._caches: list[torch.Tensor] = []
@@ -170,4 +180,5 @@ class CpuDecodeStack:
             return None
         hidden, residual = self._stack.forward(hidden, rows, md.write_slots, md.decode_slots, md.decode_seq_lens)
         self.steps_run += 1
+        self.largest_step = max(self.largest_step, hidden.shape[0])
         return hidden, residual

@@ -14,13 +14,13 @@ def _decoder_model(llm: LLM):
     return llm.llm_engine.engine_core.executor.driver_worker.model_runner.model.model
 
 
-def _run(model_dir: str, monkeypatch, stack: str, **engine_kwargs):
+def _run(model_dir: str, monkeypatch, stack: str, prompts: list = PROMPTS, **engine_kwargs):
     monkeypatch.setenv("ASCENT_CPU_DECODE_STACK", stack)
     kwargs = {"dtype": "bfloat16", "max_model_len": 256, "disable_log_stats": True, "seed": 0, **engine_kwargs}
     llm = LLM(model=model_dir, **kwargs)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    one_by_one = [llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS[:2]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    one_by_one = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts[:2]]
     result = [(list(o.outputs[0].token_ids), [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
               for o in outs + one_by_one]
     model = _decoder_model(llm)
@@ -39,6 +39,24 @@ def test_stack_equals_module_path(tmp_path, monkeypatch, kind, layer_types):
     plain, off, _ = _run(model_dir, monkeypatch, "0")
     assert off is not None and not off._eligible and off.steps_run == 0
     assert fused == plain  # tokens and top-3 logprobs bit-identical
+
+
+@pytest.mark.parametrize("dual_layout_bytes", [None, "0"])
+def test_stack_beyond_the_small_m_range_equals_module_path(tmp_path, monkeypatch, dual_layout_bytes):
+    """Batches above SMALL_M_MAX: unquantized projections take the oneDNN-packed weight in both paths (with the plain
+    copies kept, and with them released so only the packed weights exist)."""
+    from ascent.layers.cpu_packing import SMALL_M_MAX
+
+    if dual_layout_bytes is not None:
+        monkeypatch.setenv("ASCENT_CPU_DUAL_LAYOUT_BYTES", dual_layout_bytes)
+    model_dir = str(build_model("llama", tmp_path / "m", seed=7))
+    prompts = PROMPTS + [p + " again" for p in PROMPTS] + ["one more prompt"]
+    fused, stack, _ = _run(model_dir, monkeypatch, "1", prompts)
+    assert stack.largest_step == len(prompts) > SMALL_M_MAX
+    layer = stack.model.layers[0].self_attn.qkv_proj
+    assert (layer.weight.numel() == 0) == (dual_layout_bytes == "0") and layer.packed_weight is not None
+    plain, _, _ = _run(model_dir, monkeypatch, "0", prompts)
+    assert fused == plain
 
 
 def test_stack_under_preemption_and_prefix_caching(tmp_path, monkeypatch):
@@ -64,6 +82,26 @@ def test_speculative_verification_through_the_stack_equals_plain_greedy(tmp_path
     spec = spec_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert list(spec) == list(plain)
     assert _decoder_model(spec_llm)._decode_stack.steps_run > 0
+
+
+def test_batched_speculative_verification_through_the_stack_equals_module_path(tmp_path, monkeypatch):
+    """Verification steps of several requests (k + 1 rows each, above SMALL_M_MAX) run through the stack with the
+    module path's values."""
+    model_dir = str(build_model("llama", tmp_path / "m", seed=8))
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8, 9, 5 + i, 6, 7, 8, 9, 5 + i, 6, 7, 8]} for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    results, stacks = [], []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("ASCENT_CPU_DECODE_STACK", flag)
+        llm = LLM(model=model_dir, dtype="bfloat16", max_model_len=128, disable_log_stats=True, seed=0,
+                  speculative_config=spec)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([(list(o.outputs[0].token_ids), [{k: v.logprob for k, v in d.items()}
+                                                        for d in o.outputs[0].logprobs]) for o in outs])
+        stacks.append(_decoder_model(llm)._decode_stack)
+    assert stacks[0].largest_step > 4 and stacks[1].steps_run == 0
+    assert results[0] == results[1]
 
 
 @pytest.mark.parametrize("scheme,fmt", [("w8a8_dynamic", "compressed-tensors"), ("w8a16", "modelslim"),

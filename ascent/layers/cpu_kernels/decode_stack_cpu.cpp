@@ -11,6 +11,7 @@
 #include "quant_gemv_cpu.cpp"
 #undef ASCENT_EMBEDDED_KERNELS
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 #include <tuple>
 #include <vector>
@@ -21,13 +22,35 @@ c10::optional<at::Tensor> optional_tensor(const at::Tensor& t) {
   return t.defined() && t.numel() > 0 ? c10::optional<at::Tensor>(t) : c10::nullopt;
 }
 
+// torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "") — cpu_packing.packed_linear's op, through the
+// dispatcher (boxed: the op's C++ signature is not part of torch's public headers).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias, std::string("none"), c10::List<c10::optional<c10::Scalar>>(),
+                          c10::optional<std::string>(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// cpu_packing.cpu_linear's choice for an unquantized projection: the small-M kernel up to small_m_max rows (0 = no
+// plain weight kept), else the oneDNN-packed weight when there is one, else F.linear.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias_t,
+                        const at::Tensor& packed, int64_t small_m_max) {
+  const c10::optional<at::Tensor> bias = optional_tensor(bias_t);
+  if (x.size(0) <= small_m_max) return linear_small_m(x, weight, bias);
+  if (packed.defined() && packed.numel() > 0) return packed_linear(x, packed, bias);
+  return at::linear(x, weight, bias);
+}
+
 // One projection of a layer: which kernel computes x @ W^T (+ bias) and the operands it takes, in the order the
 // Python side (``LinearMethod.decode_stack_call``) gives them.
 // An empty tensor stands for an absent optional operand.
 struct LinearCall {
   enum Kind : int64_t { kDense = 0, kW8A16 = 1, kW4A16 = 2, kW8A8Dynamic = 3 };
   int64_t kind = kDense;
-  // kDense: [weight [N, K] bf16/fp16, bias]; kW8A16 / kW4A16: [weight (int8 [N, K] / packed int4), scale, zero, bias]
+  // kDense: [weight [N, K] bf16/fp16 (empty when only the packed copy is kept), bias, oneDNN-packed weight] with
+  // ints [small-M kernel row limit]; kW8A16 / kW4A16: [weight (int8 [N, K] / packed int4), scale, zero, bias]
   // with ints [K] for kW4A16; kW8A8Dynamic: [weight int8 [N, K], row_sum, w_scale, bias]. See quantization/kernels.py.
   std::vector<at::Tensor> tensors;
   std::vector<int64_t> ints;
@@ -35,7 +58,7 @@ struct LinearCall {
   at::Tensor operator()(const at::Tensor& x) const {
     const auto& t = tensors;
     switch (kind) {
-      case kDense: return linear_small_m(x, t[0], optional_tensor(t[1]));
+      case kDense: return dense_linear(x, t[0], t[1], t[2], ints[0]);
       case kW8A16: return ascent_quant::w8a16_linear(x, t[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
       case kW4A16:
         return ascent_quant::w4a16_linear(x, t[0], ints[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
@@ -45,10 +68,10 @@ struct LinearCall {
   }
 
   static LinearCall make(int64_t kind, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
-    const size_t want_tensors = kind == kDense ? 2 : 4, want_ints = kind == kW4A16 ? 1 : 0;
+    const size_t want_tensors = kind == kDense ? 3 : 4, want_ints = kind == kW4A16 || kind == kDense ? 1 : 0;
     TORCH_CHECK(kind >= kDense && kind <= kW8A8Dynamic && tensors.size() == want_tensors && ints.size() == want_ints,
                 "DecodeStack: linear kind ", kind, " with ", tensors.size(), " tensors / ", ints.size(), " ints");
-    TORCH_CHECK(tensors[0].dim() == 2, "DecodeStack: weight operand must be 2-D");
+    TORCH_CHECK(tensors[0].dim() == 2 || (kind == kDense && ints[0] == 0), "DecodeStack: weight operand must be 2-D");
     return LinearCall{kind, std::move(tensors), std::move(ints)};
   }
 };
