@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from ascent.sample.metadata import SamplingMetadata
-from ascent.sample.rng import RandomSampler
+from ascent.sample.rng import RandomSampler, argmax_rows
 from ascent.sample.sampler import apply_logits_processors, apply_random_transforms
 from ascent.sample.spec_metadata import SpecDecodeMetadata, expand_sampling_metadata
 
@@ -181,7 +181,7 @@ class RejectionSampler(nn.Module):
         accepted = np.zeros(spec.num_requests, dtype=np.int64)
         final = np.zeros(spec.num_requests, dtype=np.int64)
         if greedy.any():
-            self._verify_greedy(spec, processed.argmax(dim=-1).cpu().numpy(), greedy, accepted, final)
+            self._verify_greedy(spec, argmax_rows(processed).cpu().numpy(), greedy, accepted, final)
         if not greedy.all():
             probs = torch.softmax(apply_random_transforms(processed, row_md), dim=-1)
             self._verify_random(spec, draft_probs, probs, sampling_metadata.generators, ~greedy, accepted, final)

@@ -25,6 +25,15 @@ _TINY = torch.finfo(torch.float32).tiny
 _CPU = torch.device("cpu")
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a ``[B, V]`` tensor, int64 ``[B]``; the CPU kernel for float32 rows (the same index in
+    every case: first maximum, NaN greatest), torch elsewhere."""
+    kernels = sampling_ops() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 else None
+    if kernels is not None and x.shape[1] > 0:
+        return kernels.argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 def check_placement(placement: str) -> str:
     """Return ``placement`` if it names a known RNG placement, else raise ValueError naming it."""
     if placement not in RNG_PLACEMENTS:
@@ -89,7 +98,7 @@ def _shared_device(shared: torch.Generator | None) -> torch.device:
 
 def sample_exponential_race(probs: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``argmax(probs / q)`` per row: int64 ``[B]``. ``probs`` may be unnormalised (non-negative)."""
-    return probs.div(q).argmax(dim=-1)
+    return argmax_rows(probs.div(q))
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

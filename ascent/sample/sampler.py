@@ -21,7 +21,7 @@ import torch.nn as nn
 from ascent.sample.logprobs import LogprobsTensors, compute_logprobs_tensors
 from ascent.sample.metadata import SamplingMetadata
 from ascent.sample.penalties import apply_allowed_token_ids, apply_logit_bias, apply_min_tokens, apply_penalties
-from ascent.sample.rng import RandomSampler
+from ascent.sample.rng import RandomSampler, argmax_rows
 from ascent.sample.topk_topp import apply_min_p, apply_top_k_top_p
 
 __all__ = [
@@ -85,7 +85,7 @@ def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
     processed = apply_logits_processors(_fp32_copy(logits), metadata)
     probs = torch.empty_like(processed)
     if not metadata.all_random:
-        probs.zero_().scatter_(1, processed.argmax(dim=-1, keepdim=True), 1.0)
+        probs.zero_().scatter_(1, argmax_rows(processed).unsqueeze(1), 1.0)
     if not metadata.all_greedy:
         random_probs = torch.softmax(apply_random_transforms(processed, metadata), dim=-1)
         greedy_rows = (metadata.temperature <= 0).unsqueeze(1)
@@ -116,7 +116,7 @@ class Sampler(nn.Module):
         return SamplerOutput(sampled_token_ids=sampled.unsqueeze(1), logprobs_tensors=logprobs_tensors)
 
     def _sample(self, processed: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        greedy = None if metadata.all_random else processed.argmax(dim=-1)
+        greedy = None if metadata.all_random else argmax_rows(processed)
         if metadata.all_greedy:
             assert greedy is not None
             return greedy

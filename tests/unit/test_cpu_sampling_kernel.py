@@ -1,4 +1,5 @@
-"""The fused inverse-CDF draw (``sampling_cpu.cpp``) picks exactly the token of fp64 cumsum + searchsorted."""
+"""The sampling kernels (``sampling_cpu.cpp``): the inverse-CDF draw picks exactly the token of fp64 cumsum +
+searchsorted; the greedy argmax is exactly torch.argmax."""
 
 from __future__ import annotations
 
@@ -62,3 +63,30 @@ def test_bad_inputs_raise(kernels):
         kernels.inverse_cdf_sample(torch.rand(2, 4), torch.rand(3, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="empty"):
         kernels.inverse_cdf_sample(torch.rand(2, 0), torch.rand(2, dtype=torch.float64))
+
+
+def _argmax_cases() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    cases = [torch.randn(rows, vocab, generator=gen) for rows, vocab in [(1, 1), (1, 15), (3, 17), (8, 49152)]]
+    ties = torch.randint(-2, 2, (6, 37), generator=gen).float()  # many equal maxima: the first one wins
+    nans = torch.randn(4, 40, generator=gen)
+    nans[0, 5], nans[0, 30], nans[2, 39] = float("nan"), float("nan"), float("nan")  # NaN compares greatest
+    infs = torch.randn(3, 33, generator=gen)
+    infs[0].fill_(-float("inf"))
+    infs[1, 3], infs[1, 20] = float("inf"), float("inf")
+    zeros = torch.zeros(2, 19)
+    zeros[:, ::2] = -0.0  # -0.0 ties with 0.0
+    return [*cases, ties, nans, infs, zeros, torch.randn(5, 64, generator=gen)[:, ::2]]  # last: non-contiguous
+
+
+@pytest.mark.parametrize("case", range(len(_argmax_cases())))
+def test_argmax_equals_torch_argmax(kernels, case):
+    x = _argmax_cases()[case]
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(rng.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_rejects_non_float32(kernels):
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.argmax_rows(torch.rand(2, 4, dtype=torch.float64))
+    assert torch.equal(rng.argmax_rows(torch.tensor([[1.0, 3.0, 2.0]], dtype=torch.float64)), torch.tensor([1]))

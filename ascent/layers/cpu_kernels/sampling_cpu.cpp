@@ -1,4 +1,4 @@
-// Sampler kernels for CPU: the inverse-CDF draw of the "host_cdf" RNG placement without materialising the cdf.
+// Sampler kernels for CPU: the greedy argmax of fp32 logits rows, and the inverse-CDF draw of the "host_cdf" RNG placement without materialising the cdf.
 //
 // ``torch.searchsorted(cumsum(probs.double()), u * total, right=True)`` converts [B,V] to fp64, writes the whole
 // cumulative sum and searches it: three passes and two [B,V] fp64 tensors. Here each row is summed once in fp64 in
@@ -6,6 +6,8 @@
 // and then scanned only up to the crossing.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
 #include <cstdint>
 
 namespace {
@@ -27,7 +29,64 @@ int64_t last_positive(const float* row, int64_t vocab) {
   return vocab - 1;
 }
 
+// torch.argmax semantics on one row: the first NaN if there is one (NaN compares greatest), else the first index
+// of the maximum (-0.0 and 0.0 tie; an all -inf row gives 0).
+int64_t argmax_scalar(const float* row, int64_t vocab) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (std::isnan(row[i])) return i;
+    if (row[i] > row[best]) best = i;
+  }
+  return best;
+}
+
+// The same with AVX512: one pass for the maximum (and whether any NaN occurs), one for its first index.
+__attribute__((target("avx512f"))) int64_t argmax_avx512(const float* row, int64_t vocab) {
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  __m512 vmax = neg_inf;
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < vocab; i += 16) {
+    const int64_t left = vocab - i;
+    const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __m512 x = _mm512_mask_loadu_ps(neg_inf, m, row + i);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, x);
+  }
+  if (nan) return argmax_scalar(row, vocab);
+  const __m512 target = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  for (int64_t i = 0; i < vocab; i += 16) {
+    const int64_t left = vocab - i;
+    const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, row + i), target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  return 0;  // unreachable: the maximum is an element of the row
+}
+
+bool has_avx512f() {
+  static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+}
+
 }  // namespace
+
+// logits float32 [B, V] -> int64 [B]: torch.argmax(logits, dim=-1), the same index in every case (ties, NaN, -inf).
+torch::Tensor argmax_rows(const torch::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat,
+              "argmax_rows: logits must be a float32 CPU tensor [B, V]");
+  TORCH_CHECK(logits.size(1) > 0, "argmax_rows: empty vocabulary");
+  const auto x = logits.contiguous();
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  const float* base = x.data_ptr<float>();
+  int64_t* od = out.data_ptr<int64_t>();
+  const bool vec = has_avx512f();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      od[r] = vec ? argmax_avx512(base + r * vocab, vocab) : argmax_scalar(base + r * vocab, vocab);
+  });
+  return out;
+}
 
 // probs float32 [B,V] (non-negative, rows need not sum to 1), u float64 [B] in (0,1) -> int64 [B]: the number of
 // fp64 cumulative sums <= u * total, clamped to the last positive-weight token when u * total rounds up to total.
@@ -57,6 +116,7 @@ torch::Tensor inverse_cdf_sample(const torch::Tensor& probs, const torch::Tensor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax_rows", &argmax_rows, "argmax_rows(logits float32 [B,V]) -> int64 [B] (torch.argmax(dim=-1))");
   m.def("inverse_cdf_sample", &inverse_cdf_sample,
         "inverse_cdf_sample(probs float32 [B,V], u float64 [B]) -> int64 [B] (fp64 cumsum + searchsorted right)");
 }
