@@ -119,6 +119,22 @@ def test_bf16_vector_paths_with_tails(ops, d, hidden):
         _close(got, _reference_decode(q, cache, slots, lens, heads, d**-0.5, window), torch.bfloat16)
 
 
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (4, 2), (6, 2), (8, 2), (8, 1)])
+def test_grouped_bf16_attention_matches_sdpa(ops, d, heads, kv_heads):
+    """avx512_attention.h (all query heads of a KV head per pass; group * d / 16 <= 16) and, beyond that, the
+    per-head kernel: contexts of 1 key, of a partial 16-key block and of several blocks, with and without a window."""
+    gen = torch.Generator().manual_seed(d + heads)
+    num_slots = 120
+    cache = _paged_cache(torch.bfloat16, num_slots, kv_heads, d, gen)
+    lens = torch.tensor([1, 5, 16, 47, 100])
+    slots = torch.stack([torch.randperm(num_slots, generator=gen)[:100] for _ in range(5)])
+    q = (torch.randn(5, heads * d, generator=gen) * 2).bfloat16()
+    for window in (0, 9):
+        got = ops.paged_decode_attention(q, cache, slots, lens, heads, d**-0.5, window)
+        _close(got, _reference_decode(q, cache, slots, lens, heads, d**-0.5, window), torch.bfloat16)
+
+
 def test_paged_decode_attention_rejects_bad_lengths_and_slots(ops):
     cache = torch.zeros(2, 8, 1, 4)
     q = torch.zeros(1, 4)

@@ -39,10 +39,10 @@ def _compile_flags() -> list[str]:
 
 # Sources that #include other kernel sources (their bytes are part of the build hash).
 _INCLUDES: dict[str, tuple[str, ...]] = {
-    "fused_cpu.cpp": ("avx512_bf16.h",),
+    "fused_cpu.cpp": ("avx512_bf16.h", "avx512_attention.h"),
     "quant_gemv_cpu.cpp": ("quant_wo_blocks.h", "quant_int8_blocks.h"),
-    "decode_stack_cpu.cpp": ("fused_cpu.cpp", "avx512_bf16.h", "gemv_cpu.cpp", "quant_gemv_cpu.cpp",
-                             "quant_wo_blocks.h", "quant_int8_blocks.h"),
+    "decode_stack_cpu.cpp": ("fused_cpu.cpp", "avx512_bf16.h", "avx512_attention.h", "gemv_cpu.cpp",
+                             "quant_gemv_cpu.cpp", "quant_wo_blocks.h", "quant_int8_blocks.h"),
 }
 
 

@@ -54,6 +54,7 @@ inline float exp_approx(float x) {
 }
 
 #include "avx512_bf16.h"
+#include "avx512_attention.h"
 
 }  // namespace
 
@@ -296,7 +297,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     const scalar_t* vbase = kbase + num_slots * row_w;
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t qs = q.stride(0);
-    const AttendFn attend_vec = has_avx512() ? attend_avx512_for(d) : nullptr;
+    AttendFn attend_vec = has_avx512() ? attend_grouped_for(d, group) : nullptr;
+    if (attend_vec == nullptr && has_avx512()) attend_vec = attend_avx512_for(d);
     at::parallel_for(0, n * kv_heads, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
       for (int64_t u = begin; u < end; ++u) {

@@ -1,0 +1,149 @@
+// Grouped AVX512-BF16 decode attention of fused_cpu.cpp: all query heads of one KV head in one pass over the keys.
+// Included by fused_cpu.cpp inside its anonymous namespace, after avx512_bf16.h (bf16, tail_mask, bf16_load,
+// bf16_store, exp512).
+//
+// attend_kv_head_avx512 (avx512_bf16.h) scores one key per query head with 4 fp32 FMAs plus a horizontal reduction
+// and re-reads the key and value rows once per query head. Here, for head dims that are a multiple of 32:
+//   scores: q . k with vdpbf16ps straight on the bf16 rows (products exact, fp32 sums), 16 keys at a time, the 16
+//           dot-product vectors folded into one vector of 16 scores by a 4-level shuffle tree (45 ops per 16 keys
+//           instead of a full horizontal reduction per key), times `scale` afterwards;
+//   softmax: as the per-head kernel (exp512, fp32);
+//   values: each value row widened to fp32 once and accumulated into the registers of every query head of the group.
+// The result differs from the per-head kernel only in fp32 summation order (tests compare both with SDPA).
+#pragma once
+
+#define ASCENT_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+bool has_avx512_bf16() {
+  static const bool ok = has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+
+constexpr int64_t kValuePrefetch = 8;  // value rows prefetched this many keys ahead
+
+// Every cache line of one head's d-element bf16 row.
+inline void prefetch_row(const bf16* row, int64_t d) {
+  for (int64_t b = 0; b < d * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+
+// r[j] = sum of the 16 lanes of v[j], j < 16 (lane j of the result holds key j's score).
+ASCENT_AVX512 inline __m512 fold16(const __m512* v) {
+  __m512 s[8], u[4], r[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane L: [a0+a2, b0+b2, a1+a3, b1+b3] of a = v[2i], b = v[2i+1]
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane L: the lane-L sums of keys 4i .. 4i+3
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)  // 128-bit blocks: [u0 L0+L1, u0 L2+L3, u1 L0+L1, u1 L2+L3]
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// sc[g * n + j] = scale * (q_g . k_j) for the keys slots[start + j], j < n; P = d / 32 bf16 pairs-vectors per row.
+template <int P, int G>
+ASCENT_AVX512_BF16 void grouped_scores(const bf16* q, const bf16* kbase, const int64_t* slots, int64_t n,
+                                       int64_t d, int64_t row_w, float scale, float* sc) {
+  __m512bh qv[G][P];
+  for (int g = 0; g < G; ++g)
+    for (int p = 0; p < P; ++p) qv[g][p] = (__m512bh)_mm512_loadu_si512(q + g * d + p * 32);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < std::min<int64_t>(n, 16); ++j) prefetch_row(kbase + slots[j] * row_w, d);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t keys = std::min<int64_t>(16, n - j0);
+    for (int64_t j = j0 + 16; j < std::min<int64_t>(n, j0 + 32); ++j)  // the next block's rows: misses in flight
+      prefetch_row(kbase + slots[j] * row_w, d);
+    for (int g = 0; g < G; ++g) {
+      __m512 dots[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        dots[j] = _mm512_setzero_ps();
+        if (j >= keys) continue;
+        const bf16* kr = kbase + slots[j0 + j] * row_w;
+        for (int p = 0; p < P; ++p)
+          dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(kr + p * 32), qv[g][p]);
+      }
+      _mm512_mask_storeu_ps(sc + g * n + j0, tail_mask(keys), _mm512_mul_ps(fold16(dots), vscale));
+    }
+  }
+}
+
+// In place: each row sc[g * n .. + n) becomes softmax(row) (max-subtracted exp512, fp32 sum).
+ASCENT_AVX512 void softmax_rows(float* sc, int64_t rows, int64_t n) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = sc + g * n;
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16)
+      vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n - j), sg + j));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = tail_mask(n - j);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), mx)));
+      _mm512_mask_storeu_ps(sg + j, m, e);
+      total = _mm512_add_ps(total, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = tail_mask(n - j);
+      _mm512_mask_storeu_ps(sg + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sg + j), inv));
+    }
+  }
+}
+
+// out_g = sum_j p[g * n + j] * v_j for the G heads; each value row is widened once (C = d / 16 fp32 chunks).
+template <int C, int G>
+ASCENT_AVX512 void grouped_values(const float* p, const bf16* vbase, const int64_t* slots, int64_t n, int64_t d,
+                                  int64_t row_w, bf16* out) {
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < std::min(n, kValuePrefetch); ++j) prefetch_row(vbase + slots[j] * row_w, d);
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + kValuePrefetch < n) prefetch_row(vbase + slots[j + kValuePrefetch] * row_w, d);
+    const bf16* vr = vbase + slots[j] * row_w;
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = bf16_load(vr + c * 16, 0xFFFF);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pj = _mm512_set1_ps(p[g * n + j]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(pj, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) bf16_store(out + g * d + c * 16, acc[g][c], 0xFFFF);
+}
+
+// attend_kv_head_avx512's contract (q: the group's G query rows of d; out: their G output rows) for d = 32 * P.
+template <int P, int G>
+ASCENT_AVX512_BF16 void attend_grouped(const bf16* q, const bf16* kbase, const bf16* vbase, const int64_t* slots,
+                                       int64_t start, int64_t len, int64_t group, int64_t d, int64_t row_w,
+                                       float scale, bf16* out, std::vector<float>& buf) {
+  const int64_t n = len - start;
+  buf.resize(static_cast<size_t>(G * n));
+  grouped_scores<P, G>(q, kbase, slots + start, n, d, row_w, scale, buf.data());
+  softmax_rows(buf.data(), G, n);
+  grouped_values<2 * P, G>(buf.data(), vbase, slots + start, n, d, row_w, out);
+}
+
+template <int P>
+AttendFn attend_grouped_for_group(int64_t group) {
+  switch (group) {
+    case 1: return attend_grouped<P, 1>;
+    case 2: return attend_grouped<P, 2>;
+    case 3: return attend_grouped<P, 3>;
+    case 4: return attend_grouped<P, 4>;
+    default: return nullptr;
+  }
+}
+
+// The grouped kernel for head dim d and group size (query heads per KV head) when it has one: d in {32, 64, 128},
+// at most 16 fp32 value accumulators (group * d / 16); nullptr otherwise (the per-head kernel is used).
+AttendFn attend_grouped_for(int64_t d, int64_t group) {
+  if (!has_avx512_bf16() || group * (d / 16) > 16) return nullptr;
+  switch (d) {
+    case 32: return attend_grouped_for_group<1>(group);
+    case 64: return attend_grouped_for_group<2>(group);
+    case 128: return attend_grouped_for_group<4>(group);
+    default: return nullptr;
+  }
+}
