@@ -79,9 +79,12 @@ def pick_group_size(model: Any, requested: int | None, quantize_lm_head: bool = 
                      "pass --group-size")
 
 
-def export_dir_name(scheme: str, fmt: str, quantize_lm_head: bool) -> str:
-    """Cache folder of one export: float-head and quantized-head exports never share one."""
-    return f"{scheme}-{fmt}-lmhead_{'quant' if quantize_lm_head else 'float'}"
+def export_dir_name(scheme: str, fmt: str, quantize_lm_head: bool, group_size: int | None = None,
+                    smoothquant: float | None = None, calib_tokens: int | None = None) -> str:
+    """Cache folder of one export: exports with a different head mode, requested group size (None = picked per
+    model) or SmoothQuant setting (alpha and calibration tokens) never share one."""
+    name = f"{scheme}-{fmt}-lmhead_{'quant' if quantize_lm_head else 'float'}-g{group_size or 'auto'}"
+    return name + (f"-sq{smoothquant:g}_c{calib_tokens}" if smoothquant is not None else "")
 
 
 def export_schemes(args: argparse.Namespace, cache: Path) -> dict[str, dict[str, Any]]:
@@ -93,8 +96,9 @@ def export_schemes(args: argparse.Namespace, cache: Path) -> dict[str, dict[str,
     results: dict[str, dict[str, Any]] = {}
     float_model = None
     head = bool(getattr(args, "quantize_lm_head", False))
+    requested_group = args.group_size  # set below to the picked size when auto
     for scheme in args.schemes:
-        out = cache / export_dir_name(scheme, args.format, head)
+        out = cache / export_dir_name(scheme, args.format, head, requested_group, args.smoothquant, args.calib_tokens)
         record: dict[str, Any] = {"path": str(out), "error": None}
         try:
             if not (out / "config.json").is_file():

@@ -211,6 +211,10 @@ def test_bench_quant_cache_separates_head_modes(tiny_dir, tmp_path):
     from ascent.benchmarks.quant import export_dir_name, export_schemes
 
     assert export_dir_name("w8a16", "modelslim", True) != export_dir_name("w8a16", "modelslim", False)
+    names = {export_dir_name("w8a8", "modelslim", False, group, alpha, calib)
+             for group, alpha, calib in [(None, None, 512), (64, None, 512), (None, 0.5, 512), (None, 0.8, 512),
+                                         (None, 0.5, 256)]}
+    assert len(names) == 5  # group size and SmoothQuant settings each get their own folder
     cache = tmp_path / "cache"
     for head in (False, True):
         args = argparse.Namespace(schemes=["w8a16"], format="compressed-tensors", model=str(tiny_dir),
