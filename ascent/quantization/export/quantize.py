@@ -22,7 +22,7 @@ from ascent.quantization.export.ct_writer import write_compressed_tensors
 from ascent.quantization.export.modelslim_writer import write_modelslim
 from ascent.quantization.export.schemes import (FORMATS, LayerExport, check_group_size, get_scheme,
                                                 quantize_layer)
-from ascent.quantization.export.smoothquant import apply_smoothquant
+from ascent.quantization.export.smoothquant import apply_smoothquant, smooth_lm_head
 from ascent.quantization.export.source import FloatModel, load_float_model
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,8 @@ def export_float_model(fm: FloatModel, scheme_name: str, fmt: str, out_dir: str 
         stats = collect_input_stats(model, tokens, names)
         if smoothquant is not None:
             stats = apply_smoothquant(model, stats, smoothquant)
+            if quantize_lm_head:
+                stats.update(smooth_lm_head(model, names[-1], stats, smoothquant))
     layers = []
     for name in names:
         linear = modules[name]

@@ -8,6 +8,8 @@ is unchanged. Folding points used here (all exact in real arithmetic):
   input statistics and of their weight columns, because they share the norm);
 * gate/up projections: the same with ``post_attention_layernorm``;
 * down_proj: divide the *rows* of ``up_proj`` by ``s`` - the SwiGLU product ``act(gate) * up`` is linear in ``up``;
+* lm_head (only when it is quantized, :func:`smooth_lm_head`): divide the final ``model.norm`` weight by ``s``; a
+  tied head is untied first (the embedding keeps its values);
 * o_proj: divide the rows of ``v_proj`` by ``s`` - attention output of query head ``h`` is linear in the values of
   KV head ``h // n_rep``; with grouped-query attention ``s`` is shared by the ``n_rep`` query heads of one KV head
   (max of their statistics), which keeps the fold exact.
@@ -120,3 +122,18 @@ def apply_smoothquant(model: nn.Module, stats: dict[str, ChannelStats], alpha: f
         down = {f"{prefix}.mlp.down_proj": mlp.down_proj}
         new_stats.update(_smooth_shared_input(lambda s: _divide_rows(mlp.up_proj, s), down, new_stats, alpha))
     return new_stats
+
+
+@torch.no_grad()
+def smooth_lm_head(model: nn.Module, head_name: str, stats: dict[str, ChannelStats],
+                   alpha: float) -> dict[str, ChannelStats]:
+    """Smooth the output projection ``head_name`` into the final norm (``model.model.norm``), untying it from the
+    input embedding first when they share a tensor; returns the head's scaled statistics."""
+    modules = dict(model.named_modules())
+    head, norm = modules[head_name], getattr(getattr(model, "model", None), "norm", None)
+    if norm is None or getattr(norm, "weight", None) is None:
+        raise ValueError(f"SmoothQuant of {head_name} needs the final norm model.norm; {type(model).__name__} has none")
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embed is not None and embed.weight.data_ptr() == head.weight.data_ptr():
+        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    return _smooth_shared_input(lambda s: _divide_norm(norm, s), {head_name: head}, stats, alpha)

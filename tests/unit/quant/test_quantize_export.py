@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from ascent.entrypoints.cli import main as cli_main
 from ascent.quantization.export.calibrate import collect_input_stats, corpus_token_ids, quantized_linear_names
 from ascent.quantization.export.rtn import pack_int4_pairs_along_n, pack_rows_int32
-from ascent.quantization.export.smoothquant import apply_smoothquant
+from ascent.quantization.export.smoothquant import apply_smoothquant, smooth_lm_head
 from tests.fixtures.tiny_models import build_model
 
 SCHEMES = ("w8a8", "w8a8_dynamic", "w8a16", "w4a16", "w4a8")
@@ -252,6 +252,32 @@ def test_smoothquant_preserves_float_function(tiny_dir):
     for name, st in check.items():
         torch.testing.assert_close(new_stats[name].max, st.max, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(new_stats[name].min, st.min, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_smoothquant_of_the_lm_head_preserves_float_function(tiny_dir, tied):
+    """The head's factors fold into the final norm; a tied head is untied first (the embedding keeps its values)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load():
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()  # untied
+        if tied:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model
+
+    original, smoothed = load(), load()
+    assert (smoothed.lm_head.weight.data_ptr() == smoothed.model.embed_tokens.weight.data_ptr()) is tied
+    tokens = corpus_token_ids(AutoTokenizer.from_pretrained(str(tiny_dir)), 200)
+    stats = collect_input_stats(smoothed, tokens, quantized_linear_names(smoothed, include_lm_head=True))
+    new_stats = smooth_lm_head(smoothed, "lm_head", stats, alpha=0.5)
+    assert smoothed.lm_head.weight.data_ptr() != smoothed.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(smoothed.model.embed_tokens.weight, original.model.embed_tokens.weight)
+    assert not torch.equal(smoothed.model.norm.weight, original.model.norm.weight)
+    ids = torch.tensor([tokens[-64:]])
+    with torch.no_grad():
+        torch.testing.assert_close(smoothed(ids).logits, original(ids).logits, rtol=1e-4, atol=1e-4)
+    check = collect_input_stats(smoothed, tokens, ["lm_head"])
+    torch.testing.assert_close(new_stats["lm_head"].max, check["lm_head"].max, rtol=1e-4, atol=1e-5)
 
 
 def test_compressed_tensors_config_is_what_compressed_tensors_writes(exports):
