@@ -41,6 +41,14 @@ def latency_metrics(latencies: list[float], batch_size: int, output_len: int,
     }
 
 
+def _fraction_of_ceiling(metrics: dict[str, Any], report: dict[str, Any]) -> float | None:
+    """Decode tok/s over the roofline ceiling of this batch (specs/anchors §2.3: B / max(bytes / BW, FLOPs / F) at
+    the mean context, weights + KV bytes against the GEMV bandwidth, FLOPs against the GEMM rate); the measured time
+    includes the prefill, so the fraction is a lower bound."""
+    ceiling = report["ceilings"]["ceiling_tok_s"] if report["ceilings"] else None
+    return safe_ratio(metrics["decode_tokens_per_second"], ceiling)
+
+
 def engine_latencies(llm: Any, requests: list, num_iters: int, num_iters_warmup: int) -> list[float]:
     """Wall times (s) of ``num_iters`` greedy generates of the whole batch after the warmup iterations."""
     for _ in range(num_iters_warmup):
@@ -86,6 +94,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
                    "ignore_eos": True, "enable_prefix_caching": False, "seed": args.seed, "num_threads": threads},
         "weight_bytes_per_step": weight_bytes,
         "fraction_of_bandwidth_roofline": safe_ratio(ours["achieved_weight_bandwidth_gbps"], gemv),
+        "fraction_of_decode_ceiling": _fraction_of_ceiling(ours, report),
         "peer": peer,
         "ratio_vs_peer": safe_ratio(ours["decode_tokens_per_second"],
                                     peer["decode_tokens_per_second"] if peer else None),
@@ -95,6 +104,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     }
     if peer:
         peer["fraction_of_bandwidth_roofline"] = safe_ratio(peer["achieved_weight_bandwidth_gbps"], gemv)
+        peer["fraction_of_decode_ceiling"] = _fraction_of_ceiling(peer, report)
     if args.output_json:
         write_json(args.output_json, result)
     print(format_summary(result))
@@ -117,6 +127,12 @@ def format_summary(result: dict[str, Any]) -> str:
         f"{_fmt(result['fraction_of_bandwidth_roofline'], '.3f')} of GEMV bandwidth "
         f"{_fmt(result['roofline']['calibration']['gemv_gbps'])} GB/s",
     ]
+    ceilings = result["roofline"]["ceilings"]
+    if ceilings:
+        bound = "bandwidth" if ceilings["bandwidth_ceiling_tok_s"] <= ceilings["compute_ceiling_tok_s"] else "compute"
+        lines.append(f"  roofline at batch {cfg['batch_size']}: ceiling {_fmt(ceilings['ceiling_tok_s'])} tok/s "
+                     f"({bound}-bound; GEMM {_fmt(result['roofline']['calibration']['gemm_gflops'], '.0f')} GFLOP/s)"
+                     f" -> ascent at {_fmt(result['fraction_of_decode_ceiling'], '.3f')} of it")
     if peer:
         lines.append(f"  HF peer: avg {_fmt(peer['avg_latency'], '.4f')} s  {_fmt(peer['decode_tokens_per_second'])}"
                      f" tok/s  ratio ascent/HF = {_fmt(result['ratio_vs_peer'])}")

@@ -101,6 +101,11 @@ def test_latency_smoke(tiny_llama_dir: str, tmp_path) -> None:
         data["achieved_weight_bandwidth_gbps"] / data["roofline"]["calibration"]["gemv_gbps"])
     assert data["ratio_vs_peer"] == pytest.approx(
         data["decode_tokens_per_second"] / data["peer"]["decode_tokens_per_second"])
+    ceiling = data["roofline"]["ceilings"]
+    assert ceiling["batch_size"] == 2 and ceiling["mean_context"] == pytest.approx(8 + 8 / 2)
+    for result in (data, data["peer"]):
+        assert result["fraction_of_decode_ceiling"] == pytest.approx(
+            result["decode_tokens_per_second"] / ceiling["ceiling_tok_s"])
     _check_env_and_roofline(data)
 
 
