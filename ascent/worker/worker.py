@@ -9,6 +9,7 @@ import torch
 
 from ascent.config import DEFAULT_KV_CACHE_FRACTION, EngineConfig, available_memory_bytes
 from ascent.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from ascent.platform.cpu_allocator import keep_freed_buffers
 from ascent.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -19,6 +20,8 @@ class Worker:
         self.config = config
         if config.device_config.num_threads is not None:
             torch.set_num_threads(config.device_config.num_threads)
+        if config.device_config.device.type == "cpu":
+            keep_freed_buffers()
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config)
         self.timings: dict[str, float] = {}
