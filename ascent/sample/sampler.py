@@ -46,6 +46,12 @@ def _fp32_copy(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
 
 
+def has_logits_processors(metadata: SamplingMetadata) -> bool:
+    """Whether :func:`apply_logits_processors` would change any logit of this batch."""
+    return (metadata.allowed_token_ids_mask is not None or bool(metadata.min_tokens)
+            or any(metadata.logit_bias) or not metadata.no_penalties)
+
+
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """allowed_token_ids, min_tokens, logit_bias, penalties, in place on float32 ``[B, V]``."""
     apply_allowed_token_ids(logits, metadata.allowed_token_ids_mask)
@@ -108,7 +114,10 @@ class Sampler(nn.Module):
         """``logits``: ``[B, V]`` (any float dtype, not modified). Returns int64 ``[B, 1]`` tokens (+ logprobs)."""
         if logits.shape[0] != metadata.num_rows:
             raise ValueError(f"logits has {logits.shape[0]} rows but the metadata has {metadata.num_rows}.")
-        processed = apply_logits_processors(_fp32_copy(logits), metadata)
+        if metadata.all_greedy and not has_logits_processors(metadata) and logits.dtype == torch.float32:
+            processed = logits  # read only: the argmax needs no processed copy
+        else:
+            processed = apply_logits_processors(_fp32_copy(logits), metadata)
         sampled = self._sample(processed, metadata)
         logprobs_tensors = None
         if metadata.max_num_logprobs is not None:

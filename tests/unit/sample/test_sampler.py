@@ -44,6 +44,27 @@ def test_greedy_rows_take_argmax_of_processed_logits() -> None:
             assert out[row, 0].item() == int(np.argmax(ref))
 
 
+@pytest.mark.parametrize("extra", [{}, {"logit_bias": {3: 5.0}}, {"min_tokens": 2, "stop_token_ids": [3]},
+                                   {"presence_penalty": 1.0}, {"allowed_token_ids": [1, 2]}])
+def test_all_greedy_batches_leave_the_logits_unmodified(extra) -> None:
+    """All-greedy rows without logits processors read the logits in place (no fp32 copy); with any processor the
+    copy is processed; either way the caller's logits are not modified and the token is the processed argmax."""
+    gen = np.random.default_rng(5)
+    params = [SamplingParams(temperature=0.0, logprobs=1, **extra), SamplingParams(temperature=0.0)]
+    prompts = [[3, 4], [5]]
+    logits = torch.tensor(gen.normal(0.0, 1.0, size=(2, VOCAB)).astype(np.float32))
+    logits[:, 3] = 4.0  # the raw argmax, unless a processor removes it
+    before = logits.clone()
+    out = Sampler()(logits, _metadata(params, {}, prompts=prompts))
+    assert torch.equal(logits, before)
+    for row in range(2):
+        ref = processed_logits(before[row].numpy(), prompts[row], [], params[row])
+        assert out.sampled_token_ids[row, 0].item() == int(np.argmax(ref))
+    raw = torch.log_softmax(before, dim=-1)  # logprobs are the raw distribution's
+    assert torch.allclose(out.logprobs_tensors.logprobs[:, 0], raw.gather(1, out.sampled_token_ids).squeeze(1),
+                          atol=1e-5)
+
+
 def _seeded_run(placement: str, seed: int, layout: list[str], step_logits: torch.Tensor) -> list[int]:
     """Run STEPS steps of a batch; ``layout`` names each row ("me", "greedy", "free", "other_seed")."""
     me = layout.index("me")
