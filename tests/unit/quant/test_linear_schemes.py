@@ -171,3 +171,29 @@ def test_w8a8_mix(kv_consumer):
             * ck["weight_scale"].astype(np.float64).T + b
     assert rel(y, expected) < 1e-4
     assert rel(y, layer.quant_method.apply_reference(layer, t(x), layer.bias).numpy()) < 1e-5
+
+
+@pytest.mark.parametrize("kv_consumer", [True, False])
+def test_w8a8_mix_decode_rows_take_the_dynamic_kernel(kv_consumer, monkeypatch):
+    """The dynamic path at decode-sized M is the W8A8 dynamic small-M kernel (bit-identical to the _int_mm path) and
+    joins the decode stack as a W8A8 dynamic linear; the static path does not join it."""
+    from ascent.quantization import kernels
+
+    w, b = gaussian((N, K), 15, 0.02), gaussian((N,), 17, 0.1)
+    ck = modelslim_w8a8(w, b, gaussian((M, K), 16), True)
+    layer = build(QuantSpec("W8A8_MIX", extra={"kv_consumer": kv_consumer}), ck, bias=b)
+    spec = layer.quant_method.decode_stack_call(layer)
+    assert layer.w8a8_gemv is not None
+    if kv_consumer:
+        assert spec is None
+        return
+    assert spec[0] == kernels.STACK_KIND_W8A8_DYNAMIC and spec[1][0] is layer.w8a8_gemv.weight
+    xs = [t(gaussian((m, K), 20 + m)).bfloat16() for m in (1, 3)]
+    wants = [kernels.int8_linear_dynamic(x, layer.w8a8_w_t, layer.w8a8_ws, layer.bias) for x in xs]
+
+    def not_at_decode_sizes(*args, **kwargs):
+        raise AssertionError("decode-sized M must take the small-M kernel")
+
+    monkeypatch.setattr("ascent.quantization.schemes.w8a8_mix.int8_linear_dynamic", not_at_decode_sizes)
+    for x, want in zip(xs, wants):
+        assert torch.equal(layer(x), want)
