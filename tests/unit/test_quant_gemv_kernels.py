@@ -315,3 +315,78 @@ def test_decode_stack_call_w8a8_dynamic(ops):
         layer = build(QuantSpec("W8A8_DYNAMIC"), ck, bias=bias)
         x = torch.randn(2, K_IN, generator=g).bfloat16()
         assert torch.equal(run_stack_spec(ops, layer.quant_method.scheme.decode_stack_call(layer), x), layer(x))
+
+
+# ---- 16-bit x weight-only kernels: VDPBF16PS (quant_wo_bf16.h, int4; int8 on request) and FMA (quant_wo_fma8.h,
+# int8): bit-trick weights, per-block offsets / end corrections, 64-byte chunks with a masked tail, group halves ----
+
+
+@pytest.fixture(params=["int8-dp", "default"])
+def bf16_ops(request, ops):
+    """The module with W8A16 routed through the VDPBF16PS kernel (off by default: slower on this CPU) or not."""
+    old = ops.set_wo_bf16_int8(1 if request.param == "int8-dp" else 0)
+    yield ops
+    ops.set_wo_bf16_int8(old)
+
+
+def extreme_operands(m: int, k: int, n: int, groups: int, bits: int, seed: int):
+    """Operands with the extreme weights (-2^(b-1), 2^(b-1) - 1) in whole rows and scattered."""
+    x, q, scale, zero, bias = operands(m, k, n, groups, bits, seed, torch.bfloat16)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    q[0].fill_(lo)
+    q[1].fill_(hi)
+    q[2, ::3] = lo
+    q[3, 1::3] = hi
+    return x, q, scale, zero, bias
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("k,groups", [(576, 1), (64, 1), (100, 1), (7, 1), (1000, 1), (256, 8), (96, 3),
+                                      (192, 2), (384, 3), (200, 5), (1536, 12), (1024, 4), (1000, 4)])
+def test_w8a16_bf16_kernel(bf16_ops, m, k, groups):
+    x, q, scale, zero, bias = extreme_operands(m, k, 37, groups, 8, m * 31 + k)
+    for z, b in ((None, None), (zero, bias), (None, bias)):
+        assert_close(bf16_ops.w8a16_linear(x, q, scale, z, b), ref_weight_only(x, q, scale, z, b))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("k,groups", [(576, 1), (128, 1), (7, 1), (255, 1), (1000, 1), (576, 9), (384, 3),
+                                      (640, 5), (1536, 12), (256, 2)])
+def test_w4a16_bf16_kernel(ops, m, k, groups):
+    x, q, scale, zero, bias = extreme_operands(m, k, 37, groups, 4, m * 17 + k)
+    packed = ops.w4a16_pack(q)
+    for z, b in ((None, None), (zero, bias), (None, bias)):
+        assert_close(ops.w4a16_linear(x, packed, k, scale, z, b), ref_weight_only(x, q, scale, z, b))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_weight_only_bf16_offset_cancels(bf16_ops, bits):
+    """x with a large mean over a long K: the +2304 / +136 weight offsets must cancel per block, not at the end."""
+    k, n = 8192, 16
+    g = gen(11)
+    x = (torch.rand(2, k, generator=g) + 1.0).bfloat16()
+    lo = -(1 << (bits - 1))
+    q = torch.randint(lo, -lo, (n, k), generator=g, dtype=torch.int8)
+    q[:, : k // 2] = lo  # a large positive and a large negative half: the result is a small difference
+    q[:, k // 2:] = -lo - 1
+    scale = torch.rand(n, 1, generator=g) + 0.5
+    ref = ref_weight_only(x, q, scale, None, None)
+    y = bf16_ops.w8a16_linear(x, q, scale, None, None) if bits == 8 else \
+        bf16_ops.w4a16_linear(x, bf16_ops.w4a16_pack(q), k, scale, None, None)
+    assert_close(y, ref)
+
+
+def test_bf16_kernel_paths_agree_with_fp32_path(ops):
+    """The VDPBF16PS int8 kernel, the FMA int8 kernel and the portable path give the same bf16 results (to rounding)."""
+    x, q, scale, zero, bias = extreme_operands(3, 320, 40, 5, 8, 5)
+    ys = []
+    for dp, generic in ((1, 0), (0, 0), (0, 1)):
+        old_dp, old_gen = ops.set_wo_bf16_int8(dp), ops.set_force_generic(generic)
+        try:
+            ys.append(ops.w8a16_linear(x, q, scale, zero, bias))
+        finally:
+            ops.set_wo_bf16_int8(old_dp)
+            ops.set_force_generic(old_gen)
+    ref = ref_weight_only(x, q, scale, zero, bias)
+    for y in ys:
+        assert_close(y, ref)

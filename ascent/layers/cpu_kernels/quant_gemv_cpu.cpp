@@ -8,8 +8,11 @@
 //   2j in the low nibble of byte j, 2j + 1 in the high one): uint8 [N, ceil(K/2)], exactly the bytes of a
 //   compressed-tensors ``weight_packed`` int32 [N, K/8] (little endian), so that tensor is used without a copy.
 //   x is de-interleaved once per call (per 32 columns: the even ones, then the odd ones) so one 16-byte load feeds
-//   two 16-lane FMAs; with bf16 x on AVX512-BF16 (blocks of 64 columns) the nibbles become bf16 128 + u and
-//   VDPBF16PS accumulates exactly (see wo4_block_bf16). Same scale / zero math as W8A16.
+//   two 16-lane FMAs. Same scale / zero math as W8A16.
+//   16-bit x (64-byte weight chunks, up to 4 rows of x per pass, bit-trick weight decoding, no int -> float
+//   converts): W4A16 with bf16 x on AVX512-BF16 uses VDPBF16PS (quant_wo_bf16.h; G = 1 or groups of a multiple of
+//   64 columns); W8A16 with bf16 / fp16 x uses fp32 FMAs on weights 1 + u / 256 (quant_wo_fma8.h; G = 1 or groups
+//   of a multiple of 128). Otherwise x is widened to fp32 and the weights converted to fp32 (quant_wo_blocks.h).
 // * w8a8_dynamic_linear: per-token symmetric int8 quantization of x with the rounding of the torch reference
 //   (s = max|x| / 127, q = clamp(nearbyint(x / s), -128, 127), all-zero rows s = 0), exact int32 x_q . W_q
 //   (AVX512-VNNI u8 x s8 with u = q + 128 and the weight row sums as correction), y = acc * s_x * s_w (+ bias).
@@ -161,7 +164,81 @@ struct Store {
 };
 
 #include "quant_wo_blocks.h"
+#include "quant_wo_bf16.h"
+#include "quant_wo_fma8.h"
 #include "quant_int8_blocks.h"
+
+// [M, G] fp32 sums of x over each group of K / G columns (the zero-point term), empty without zero points.
+std::vector<float> x_group_sums(const at::Tensor& x, int64_t groups, bool needed) {
+  std::vector<float> out;
+  if (!needed) return out;
+  const int64_t m_rows = x.size(0), k = x.size(1), ld = x.stride(0), gs = k / groups;
+  out.assign(static_cast<size_t>(m_rows * groups), 0.f);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "x_group_sums", [&] {
+    const scalar_t* p = x.data_ptr<scalar_t>();
+    for (int64_t m = 0; m < m_rows; ++m)
+      for (int64_t j = 0; j < k; ++j) out[m * groups + j / gs] += static_cast<float>(p[m * ld + j]);
+  });
+  return out;
+}
+
+// y [M, N] = x @ ((q - zero) * scale)^T (+ bias) for either weight layout (K columns; base describes the weights
+// and the fp32 path's x layout). acc = sum_g s * (x_g . q_g) from the block kernels, then y = acc - sum_g z * s *
+// sum(x_g) (+ bias), rounded once to x's dtype.
+at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4, int64_t k, int64_t n_out,
+                              const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias) {
+  const int64_t m_rows = x.size(0), groups = base.groups;
+  const bool has_zero = zero.has_value() && zero->defined();
+  if (has_zero) check_vec(*zero, "zero", n_out * groups, at::kFloat);
+  const float* zp = has_zero ? zero->data_ptr<float>() : nullptr;
+  const bool bf16 = wo_bf16_applies(x, int4, groups, k / groups);
+  const bool fma8 = !int4 && !bf16 && wo8_fma_applies(x, groups, k / groups);
+  const std::vector<float> xsum = x_group_sums(x, groups, has_zero || fma8);
+  WoArgs a = base;
+  std::vector<float> xf;
+  WoBf16Args b{static_cast<const uint8_t*>(base.w), base.ldw, (base.ldw + 63) / 64, base.ldw / 64, nullptr, 0,
+               nullptr, 0, base.scale, groups, k / groups, 0};
+  thread_local WoBf16Scratch scratch;  // the workers read it during this call only
+  thread_local std::vector<float> scratch_f;
+  const int64_t bw = int4 ? bf16_block(true) : 64;  // columns per 64-byte chunk
+  b.span = groups == 1 ? b.nblocks : (b.gs % bw == 0 ? b.gs / bw : 1);
+  WoFma8Args f{b, nullptr, xsum.data()};
+  if (bf16) {
+    wo_bf16_prepare(x, int4, b, scratch);
+  } else if (fma8) {
+    wo8_fma_prepare(x, f, scratch_f);
+  } else {
+    xf = float_rows(x, base.kp, int4 ? 32 : 0);
+    a.xf = xf.data();
+    a.ldx = base.kp;
+  }
+  const std::vector<float> bv = float_bias(bias, n_out);
+  auto out = at::empty({m_rows, n_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const Store store{out.data_ptr(), out.scalar_type(), n_out};
+  const int64_t m_step = bf16 || fma8 ? kBf16MaxM : 2;
+  parallel_rows(n_out, [&](int64_t begin, int64_t end) {
+    float acc[kBf16MaxM * kRowBlock];
+    for (int64_t n = begin; n < end; n += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, end - n);
+      for (int64_t m0 = 0; m0 < m_rows; m0 += m_step) {
+        const int64_t mb = std::min(m_step, m_rows - m0);
+        if (bf16) wo_bf16_block(b, int4, n, rows, m0, mb, acc);
+        else if (fma8) wo8_fma_block(f, n, rows, m0, mb, acc);
+        else wo_block(a, int4, n, rows, m0, mb, acc);
+        for (int64_t m = 0; m < mb; ++m)
+          for (int64_t r = 0; r < rows; ++r) {
+            float y = acc[m * rows + r];
+            if (has_zero)
+              for (int64_t g = 0; g < groups; ++g)
+                y -= zp[(n + r) * groups + g] * a.scale[(n + r) * groups + g] * xsum[(m0 + m) * groups + g];
+            if (!bv.empty()) y += bv[n + r];
+            store(m0 + m, n + r, y);
+          }
+      }
+    }
+  });
+  return out;
+}
 
 }  // namespace
 
@@ -172,8 +249,8 @@ at::Tensor w8a16_linear(const at::Tensor& x_in, const at::Tensor& weight, const 
   const int64_t n = weight.size(0), k = weight.size(1);
   const at::Tensor x = rows_of(x_in, k);
   const int64_t groups = check_scales(scale, n, k);
-  const WoArgs a{nullptr, 0, nullptr, nullptr, weight.data_ptr(), k, k, scale.data_ptr<float>(), groups, k / groups};
-  return like_x(weight_only_linear(x, a, /*int4=*/false, /*bf16_int4=*/false, n, zero, bias), x_in);
+  const WoArgs a{nullptr, 0, weight.data_ptr(), k, k, scale.data_ptr<float>(), groups, k / groups};
+  return like_x(weight_only_linear(x, a, /*int4=*/false, k, n, zero, bias), x_in);
 }
 
 // int4 values int8 [N, K] (each in [-8, 7]) -> uint8 [N, ceil(K/2)] in the w4a16_linear layout (file header).
@@ -203,12 +280,10 @@ at::Tensor w4a16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_
   const at::Tensor x = rows_of(x_in, k);
   const int64_t groups = check_scales(scale, n, k);
   TORCH_CHECK(groups == 1 || (k / groups) % 32 == 0, "int4 group size must be a multiple of 32, got ", k / groups);
-  const bool bf16 = x.scalar_type() == at::kBFloat16 && use_bf16() && (groups == 1 || (k / groups) % 64 == 0);
-  const int64_t block = bf16 ? 64 : 32, kp = (k + block - 1) / block * block;
-  const int64_t gs = groups == 1 ? kp : k / groups;
-  const WoArgs a{nullptr, 0, nullptr, nullptr, packed.data_ptr(), packed.size(1), kp, scale.data_ptr<float>(),
-                 groups, gs};
-  return like_x(weight_only_linear(x, a, /*int4=*/true, bf16, n, zero, bias), x_in);
+  const int64_t kp = (k + 31) / 32 * 32;  // the fp32 path's x: de-interleaved 32-column blocks, zero padded
+  const WoArgs a{nullptr, 0, packed.data_ptr(), packed.size(1), kp, scale.data_ptr<float>(), groups,
+                 groups == 1 ? kp : k / groups};
+  return like_x(weight_only_linear(x, a, /*int4=*/true, k, n, zero, bias), x_in);
 }
 
 // Dynamic W8A8: y = (q_x . W_q) * s_x[m] * w_scale[n] (+ bias), q_x / s_x per-token symmetric int8 (torch rounding).
@@ -290,6 +365,13 @@ int64_t set_force_generic(int64_t value) {
   return old;
 }
 
+// Tests: route W8A16 with bf16 x through the VDPBF16PS kernel (1) or the FMA one (0, default); returns the previous.
+int64_t set_wo_bf16_int8(int64_t value) {
+  const int64_t old = g_wo_bf16_int8;
+  g_wo_bf16_int8 = static_cast<int>(value);
+  return old;
+}
+
 // Which ISA the kernels use now: "avx512-vnni", "avx512" or "generic".
 std::string isa() {
   if (!use_avx512()) return "generic";
@@ -311,6 +393,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_static_linear", &ascent_quant::w8a8_static_linear,
         "w8a8_static_linear(x, weight, row_sum, input_scale, input_offset, deq f32 [N], quant_bias i32 [N], bias)");
   m.def("set_force_generic", &ascent_quant::set_force_generic, "set_force_generic(1|0) -> previous");
+  m.def("set_wo_bf16_int8", &ascent_quant::set_wo_bf16_int8, "set_wo_bf16_int8(1|0) -> previous (tests)");
   m.def("isa", &ascent_quant::isa, "isa() -> the instruction set the kernels use");
 }
 #endif  // ASCENT_EMBEDDED_KERNELS

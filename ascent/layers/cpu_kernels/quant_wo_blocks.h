@@ -9,8 +9,6 @@
 struct WoArgs {
   const float* xf;      // [M, ldx] fp32 activations (zero padded)
   int64_t ldx;
-  const uint16_t* xb;   // int4 with bf16 x on AVX512-BF16: x's bf16 bits [M, ldx] (same layout as xf), else null
-  const float* xcorr;   // with xb: [M, G] 136 * group sums of x, removed from each group's dot product
   const void* w;        // int8 [N, K] or packed uint8 [N, ldw]
   int64_t ldw;          // bytes per weight row
   int64_t kp;           // columns iterated (K, or Kp for int4)
@@ -95,59 +93,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void wo4_block_avx512(const
     for (int m = 0; m < MB; ++m) acc[m * R + r] = _mm512_reduce_add_ps(y[r][m]);
 }
 
-// int4 x bf16 activations on AVX512-BF16, 64 columns (32 bytes) per step: the bytes widen to 16-bit lanes, the low
-// nibbles (even columns) and the high nibbles (odd columns) become the bf16 numbers 128 + u (bits 0x4300 | u, exact)
-// and two dpbf16 against x de-interleaved in 64-column blocks accumulate x * (128 + u) = x * q + 136 x exactly in
-// fp32 (bf16 x bf16 products are exact); the 136 * sum(x) term (xc [MB, G]) is subtracted from lane 0 of each
-// group's dot product.
-template <int R, int MB>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void wo4_block_bf16(const WoArgs& a, int64_t n,
-                                                                                   const uint16_t* x,
-                                                                                   const float* xc, float* acc) {
-  __m512 y[R][MB], d[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) y[r][m] = _mm512_setzero_ps();
-  const uint8_t* w = static_cast<const uint8_t*>(a.w) + n * a.ldw;
-  const __m512i lo_mask = _mm512_set1_epi16(0x000F);
-  const __m512i magic = _mm512_set1_epi16(0x4300);
-  for (int64_t g = 0; g < a.groups; ++g) {
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m) d[r][m] = _mm512_setzero_ps();
-    const int64_t k1 = (g + 1) * a.gs;
-    for (int64_t k = g * a.gs; k < k1; k += 64) {
-      const int64_t left = a.ldw - k / 2;  // bytes of the row from here
-      const __mmask32 bmask = left >= 32 ? ~0u : static_cast<__mmask32>((1u << left) - 1);
-      if ((k & 127) == 0)
-        for (int r = 0; r < R; ++r)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (r + kPrefetchRows) * a.ldw + k / 2), _MM_HINT_T0);
-      __m512bh xe[MB], xo[MB];
-      for (int m = 0; m < MB; ++m) {
-        xe[m] = (__m512bh)_mm512_loadu_si512(x + m * a.ldx + k);
-        xo[m] = (__m512bh)_mm512_loadu_si512(x + m * a.ldx + k + 32);
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512i b = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(bmask, w + r * a.ldw + k / 2));
-        // (b & 0xF) | 0x4300 and (b >> 4) | 0x4300 (b < 256, so the shift leaves only the high nibble)
-        const __m512bh we = (__m512bh)_mm512_ternarylogic_epi32(b, lo_mask, magic, 0xEA);
-        const __m512bh wo = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(b, 4), magic);
-        for (int m = 0; m < MB; ++m) {
-          d[r][m] = _mm512_dpbf16_ps(d[r][m], we, xe[m]);
-          d[r][m] = _mm512_dpbf16_ps(d[r][m], wo, xo[m]);
-        }
-      }
-    }
-    __m512 c[MB];
-    for (int m = 0; m < MB; ++m) c[m] = _mm512_set1_ps(xc[m * a.groups + g]);
-    for (int r = 0; r < R; ++r) {
-      const __m512 s = _mm512_set1_ps(a.scale[(n + r) * a.groups + g]);
-      for (int m = 0; m < MB; ++m)
-        y[r][m] = _mm512_fmadd_ps(_mm512_mask_sub_ps(d[r][m], 1, d[r][m], c[m]), s, y[r][m]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[m * R + r] = _mm512_reduce_add_ps(y[r][m]);
-}
-
 // Signed weight value of row n, column k of either layout.
 inline int wo_value(const WoArgs& a, bool int4, int64_t n, int64_t k) {
   if (!int4) return static_cast<const int8_t*>(a.w)[n * a.ldw + k];
@@ -172,7 +117,6 @@ void wo_block_generic(const WoArgs& a, bool int4, int64_t n, int64_t rows, int64
 }
 
 using WoBlockFn = void (*)(const WoArgs&, int64_t, const float*, float*);
-using WoBlockBf16Fn = void (*)(const WoArgs&, int64_t, const uint16_t*, const float*, float*);
 
 template <int R>
 WoBlockFn wo_block_fn(bool int4, int64_t mb) {
@@ -180,89 +124,16 @@ WoBlockFn wo_block_fn(bool int4, int64_t mb) {
   return mb == 1 ? wo8_block_avx512<R, 1> : wo8_block_avx512<R, 2>;
 }
 
-template <int R>
-WoBlockBf16Fn wo_block_bf16_fn(int64_t mb) {
-  return mb == 1 ? wo4_block_bf16<R, 1> : wo4_block_bf16<R, 2>;
-}
-
 // acc [mb, rows] for weight rows [n, n + rows) and tokens [m0, m0 + mb).
 void wo_block(const WoArgs& a, bool int4, int64_t n, int64_t rows, int64_t m0, int64_t mb, float* acc) {
   const float* x = a.xf + m0 * a.ldx;
   if (!use_avx512()) return wo_block_generic(a, int4, n, rows, mb, x, acc);
-  if (a.xb != nullptr) {
-    const uint16_t* xb = a.xb + m0 * a.ldx;
-    const float* xc = a.xcorr + m0 * a.groups;
-    if (rows == kRowBlock) return wo_block_bf16_fn<kRowBlock>(mb)(a, n, xb, xc, acc);
-    for (int64_t r = 0; r < rows; ++r) {
-      float one[2];
-      wo_block_bf16_fn<1>(mb)(a, n + r, xb, xc, one);
-      for (int64_t m = 0; m < mb; ++m) acc[m * rows + r] = one[m];
-    }
-    return;
-  }
   if (rows == kRowBlock) return wo_block_fn<kRowBlock>(int4, mb)(a, n, x, acc);
   for (int64_t r = 0; r < rows; ++r) {  // tail rows one at a time
     float one[2];
     wo_block_fn<1>(int4, mb)(a, n + r, x, one);
     for (int64_t m = 0; m < mb; ++m) acc[m * rows + r] = one[m];
   }
-}
-
-// bf16_int4: the AVX512-BF16 int4 kernel (x de-interleaved in 64-column blocks, else 32 for int4).
-at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4, bool bf16_int4, int64_t n_out,
-                              const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias) {
-  const int64_t m_rows = x.size(0), groups = base.groups;
-  std::vector<float> xf = float_rows(x, base.kp, bf16_int4 ? 64 : (int4 ? 32 : 0));
-  WoArgs a = base;
-  a.xf = xf.data();
-  a.ldx = base.kp;
-  a.xb = nullptr;
-  a.xcorr = nullptr;
-  const bool has_zero = zero.has_value() && zero->defined();
-  if (has_zero) check_vec(*zero, "zero", n_out * groups, at::kFloat);
-  const float* zp = has_zero ? zero->data_ptr<float>() : nullptr;
-  std::vector<float> xsum;  // [M, G] group sums of x (zero-point term, bf16 int4 kernel's offset)
-  if (has_zero || bf16_int4) {
-    xsum.assign(static_cast<size_t>(m_rows * groups), 0.f);
-    for (int64_t m = 0; m < m_rows; ++m)
-      for (int64_t g = 0; g < groups; ++g) xsum[m * groups + g] = row_sum_f32(xf.data() + m * a.ldx + g * a.gs, a.gs);
-  }
-  std::vector<uint16_t> xb;  // bf16 bits of x for the AVX512-BF16 int4 kernel
-  std::vector<float> xcorr;
-  if (bf16_int4) {
-    xb.assign(xf.size(), 0);  // x's bf16 bits in xf's layout
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    const int64_t k = x.size(1), ld = x.stride(0);
-    for (int64_t m = 0; m < m_rows; ++m)
-      for (int64_t j = 0; j < k; ++j) xb[m * a.ldx + x_slot(j, 64)] = src[m * ld + j];
-    xcorr.resize(xsum.size());
-    for (size_t i = 0; i < xsum.size(); ++i) xcorr[i] = 136.f * xsum[i];
-    a.xb = xb.data();
-    a.xcorr = xcorr.data();
-  }
-  const std::vector<float> b = float_bias(bias, n_out);
-  auto out = at::empty({m_rows, n_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  const Store store{out.data_ptr(), out.scalar_type(), n_out};
-  parallel_rows(n_out, [&](int64_t begin, int64_t end) {
-    float acc[2 * kRowBlock];
-    for (int64_t n = begin; n < end; n += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, end - n);
-      for (int64_t m0 = 0; m0 < m_rows; m0 += 2) {
-        const int64_t mb = std::min<int64_t>(2, m_rows - m0);
-        wo_block(a, int4, n, rows, m0, mb, acc);
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t r = 0; r < rows; ++r) {
-            float y = acc[m * rows + r];
-            if (has_zero)
-              for (int64_t g = 0; g < groups; ++g)
-                y -= zp[(n + r) * groups + g] * a.scale[(n + r) * groups + g] * xsum[(m0 + m) * groups + g];
-            if (!b.empty()) y += b[n + r];
-            store(m0 + m, n + r, y);
-          }
-      }
-    }
-  });
-  return out;
 }
 
 int64_t check_scales(const at::Tensor& scale, int64_t n, int64_t k) {
