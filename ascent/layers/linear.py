@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascent.layers.cpu_packing import cpu_linear, pack_linear_weight, small_m_kernel
+from ascent.layers.cpu_packing import amx_linear_weight, cpu_linear, pack_linear_weight, small_m_kernel
 from ascent.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -100,10 +100,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """On CPU, pack bf16/fp16 weights for oneDNN once; the plain rows stay only for the small-M kernel (see
-        ``ascent.layers.cpu_packing``), otherwise the packed copy replaces them."""
+        """On CPU, pack bf16/fp16 weights for oneDNN once, plus AMX tiles where AMX-BF16 exists; the plain rows stay
+        only for the small-M kernel when there are no AMX tiles (see ``ascent.layers.cpu_packing``), otherwise the
+        packed copies replace them."""
         packed = pack_linear_weight(layer.weight)
-        layer.small_m_ops = small_m_kernel(layer.weight)
+        layer.amx_weight = amx_linear_weight(layer.weight)
+        layer.small_m_ops = small_m_kernel(layer.weight) if layer.amx_weight is None else None
         if packed is not None:
             layer.packed_weight = packed
             layer.owns_plain_weight = layer.small_m_ops is not None
@@ -112,7 +114,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return cpu_linear(x, layer.weight, getattr(layer, "packed_weight", None), bias,
-                          getattr(layer, "small_m_ops", None))
+                          getattr(layer, "small_m_ops", None), getattr(layer, "amx_weight", None))
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, where: str) -> None:

@@ -28,7 +28,7 @@ from ascent.attention.backends.sdpa import SDPAImpl, SDPAMetadata
 from ascent.forward_context import get_forward_context
 from ascent.layers.activation import SiluAndMul
 from ascent.layers.cpu_kernels import decode_stack_ops
-from ascent.layers.cpu_packing import SMALL_M_MAX
+from ascent.layers.cpu_packing import AMX_MAX_M, SMALL_M_MAX
 from ascent.layers.linear import UnquantizedLinearMethod
 
 
@@ -51,23 +51,25 @@ def max_tokens_of(kind: int) -> int:
 
 def linear_call(linear: nn.Module) -> LinearSpec | None:
     """How the C++ stack computes this projection: ``(kind, tensors, ints)`` as ``LinearCall`` in
-    ``decode_stack_cpu.cpp`` documents, or None when the module path must run it. Kind 0 = the small-M kernel on the
-    plain bf16/fp16 weight up to ``ints[0]`` rows (0 when only the packed copy is kept), else the oneDNN-packed
-    weight: the choice ``cpu_packing.cpu_linear`` makes (the bias, if any, in the weight's dtype)."""
+    ``decode_stack_cpu.cpp`` documents, or None when the module path must run it. Kind 0 = the AMX tiles up to
+    ``ints[1]`` rows (0 without them), else the small-M kernel on the plain bf16/fp16 weight up to ``ints[0]`` rows
+    (0 when no plain copy is kept), else the oneDNN-packed weight: the choice ``cpu_packing.cpu_linear`` makes (the
+    bias, if any, in the weight's dtype)."""
     if getattr(linear, "tp_size", 1) != 1:
         return None
     method = linear.quant_method
     if type(method) is UnquantizedLinearMethod:
         weight, bias = linear.weight, linear.bias
-        packed = getattr(linear, "packed_weight", None)
+        packed, amx = getattr(linear, "packed_weight", None), getattr(linear, "amx_weight", None)
         small_m = getattr(linear, "small_m_ops", None) is not None and weight.numel() > 0
-        if not small_m and packed is None:
+        if not small_m and packed is None and amx is None:
             return None
         if bias is not None and bias.dtype is not weight.dtype:
             return None
         empty = torch.empty(0, dtype=weight.dtype)
-        return 0, [weight, bias if bias is not None else empty, packed if packed is not None else empty], \
-            [SMALL_M_MAX if small_m else 0]
+        tensors = [weight, bias, packed, amx.packed if amx is not None else None]
+        return 0, [t if t is not None else empty for t in tensors], \
+            [SMALL_M_MAX if small_m else 0, AMX_MAX_M if amx is not None else 0]
     call = getattr(method, "decode_stack_call", None)
     return call(linear) if call is not None else None
 

@@ -43,8 +43,8 @@ def test_stack_equals_module_path(tmp_path, monkeypatch, kind, layer_types):
 
 @pytest.mark.parametrize("dual_layout_bytes", [None, "0"])
 def test_stack_beyond_the_small_m_range_equals_module_path(tmp_path, monkeypatch, dual_layout_bytes):
-    """Batches above SMALL_M_MAX: unquantized projections take the oneDNN-packed weight in both paths (with the plain
-    copies kept, and with them released so only the packed weights exist)."""
+    """Batches above SMALL_M_MAX: unquantized projections make the same per-call choice in both paths (AMX tiles or
+    the plain rows kept beside the oneDNN-packed weight, and with those released so only the packed weights exist)."""
     from ascent.layers.cpu_packing import SMALL_M_MAX
 
     if dual_layout_bytes is not None:
@@ -54,7 +54,8 @@ def test_stack_beyond_the_small_m_range_equals_module_path(tmp_path, monkeypatch
     fused, stack, _ = _run(model_dir, monkeypatch, "1", prompts)
     assert stack.largest_step == len(prompts) > SMALL_M_MAX
     layer = stack.model.layers[0].self_attn.qkv_proj
-    assert (layer.weight.numel() == 0) == (dual_layout_bytes == "0") and layer.packed_weight is not None
+    second_copy = layer.amx_weight is not None or layer.weight.numel() > 0  # AMX tiles, else the plain rows
+    assert second_copy == (dual_layout_bytes is None) and layer.packed_weight is not None
     plain, _, _ = _run(model_dir, monkeypatch, "0", prompts)
     assert fused == plain
 

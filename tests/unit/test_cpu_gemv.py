@@ -119,8 +119,11 @@ def _run(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("amx", ["1", "0"])
 @pytest.mark.parametrize("budget,expect_kept", [(1 << 30, True), (0, False)])
-def test_dual_layout_budget(budget, expect_kept):
+def test_dual_layout_budget(budget, expect_kept, amx):
+    """The second copy beside the oneDNN-packed weight (AMX tiles where AMX-BF16 exists and the shape fits, else the
+    plain rows of the small-M kernel) is kept within the budget and released beyond it."""
     from ascent.loader.base import finalize_model
 
     model = _linear_model()
@@ -128,11 +131,16 @@ def test_dual_layout_budget(budget, expect_kept):
     dense = _run(model, x).float()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ASCENT_CPU_DUAL_LAYOUT_BYTES", str(budget))
+        mp.setenv("ASCENT_CPU_AMX", amx)
         finalize_model(model)
     for layer in model:
         assert getattr(layer, "packed_weight", None) is not None
-        assert (layer.weight.numel() > 0) == expect_kept
-        assert (layer.small_m_ops is not None) == expect_kept
+        has_amx = layer.amx_weight is not None
+        has_plain = layer.weight.numel() > 0 and layer.small_m_ops is not None
+        assert (has_amx or has_plain) == expect_kept and not (has_amx and has_plain)
+    first, second = model  # [48, 32] fits AMX tiles; [16, 48] does not (K % 32 != 0)
+    assert (first.amx_weight is not None) == (expect_kept and amx == "1" and cpu_packing.amx_ops() is not None)
+    assert second.amx_weight is None
     torch.testing.assert_close(_run(model, x).float(), dense, rtol=2e-2, atol=2e-2)
 
 

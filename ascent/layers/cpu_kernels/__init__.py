@@ -40,9 +40,10 @@ def _compile_flags() -> list[str]:
 # Sources that #include other kernel sources (their bytes are part of the build hash).
 _INCLUDES: dict[str, tuple[str, ...]] = {
     "fused_cpu.cpp": ("avx512_bf16.h", "avx512_attention.h"),
-    "quant_gemv_cpu.cpp": ("quant_wo_blocks.h", "quant_int8_blocks.h"),
-    "decode_stack_cpu.cpp": ("fused_cpu.cpp", "avx512_bf16.h", "avx512_attention.h", "gemv_cpu.cpp",
-                             "quant_gemv_cpu.cpp", "quant_wo_blocks.h", "quant_int8_blocks.h"),
+    "quant_gemv_cpu.cpp": ("quant_wo_blocks.h", "quant_wo_bf16.h", "quant_wo_fma8.h", "quant_int8_blocks.h"),
+    "decode_stack_cpu.cpp": ("fused_cpu.cpp", "avx512_bf16.h", "avx512_attention.h", "gemv_cpu.cpp", "quant_gemv_cpu.cpp",
+                             "amx_linear_cpu.cpp",
+                             "quant_wo_blocks.h", "quant_wo_bf16.h", "quant_wo_fma8.h", "quant_int8_blocks.h"),
 }
 
 
@@ -109,3 +110,9 @@ def sampling_ops() -> ModuleType | None:
 def decode_stack_ops() -> ModuleType | None:
     """The whole-stack decode kernel (``decode_stack_cpu.cpp``), or None when not applicable."""
     return load_extension("decode_stack_cpu.cpp") if fused_ops_enabled() else None
+
+
+def amx_ops() -> ModuleType | None:
+    """AMX bf16 linear for mid-sized M (``amx_linear_cpu.cpp``), or None when not applicable (no AMX-BF16)."""
+    module = load_extension("amx_linear_cpu.cpp") if fused_ops_enabled() else None
+    return module if module is not None and module.amx_available() else None

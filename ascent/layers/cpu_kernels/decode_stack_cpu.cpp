@@ -9,6 +9,7 @@
 #include "fused_cpu.cpp"
 #include "gemv_cpu.cpp"
 #include "quant_gemv_cpu.cpp"
+#include "amx_linear_cpu.cpp"
 #undef ASCENT_EMBEDDED_KERNELS
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -33,11 +34,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return stack[0].toTensor();
 }
 
-// cpu_packing.cpu_linear's choice for an unquantized projection: the small-M kernel up to small_m_max rows (0 = no
-// plain weight kept), else the oneDNN-packed weight when there is one, else F.linear.
+// cpu_packing.cpu_linear's choice for an unquantized projection: the AMX tiles up to amx_max rows (0 = none), else the
+// small-M kernel up to small_m_max rows (0 = no plain weight kept), else the oneDNN-packed weight when there is one,
+// else F.linear.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias_t,
-                        const at::Tensor& packed, int64_t small_m_max) {
+                        const at::Tensor& packed, const at::Tensor& amx, int64_t small_m_max, int64_t amx_max) {
   const c10::optional<at::Tensor> bias = optional_tensor(bias_t);
+  if (x.size(0) <= amx_max) return ascent_amx::amx_linear(x, amx, bias);
   if (x.size(0) <= small_m_max) return linear_small_m(x, weight, bias);
   if (packed.defined() && packed.numel() > 0) return packed_linear(x, packed, bias);
   return at::linear(x, weight, bias);
@@ -49,8 +52,8 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 struct LinearCall {
   enum Kind : int64_t { kDense = 0, kW8A16 = 1, kW4A16 = 2, kW8A8Dynamic = 3 };
   int64_t kind = kDense;
-  // kDense: [weight [N, K] bf16/fp16 (empty when only the packed copy is kept), bias, oneDNN-packed weight] with
-  // ints [small-M kernel row limit]; kW8A16 / kW4A16: [weight (int8 [N, K] / packed int4), scale, zero, bias]
+  // kDense: [weight [N, K] bf16/fp16 (empty when no plain copy is kept), bias, oneDNN-packed weight, AMX tiles] with
+  // ints [small-M kernel row limit, AMX row limit]; kW8A16 / kW4A16: [weight (int8 [N, K] / packed int4), scale, zero, bias]
   // with ints [K] for kW4A16; kW8A8Dynamic: [weight int8 [N, K], row_sum, w_scale, bias]. See quantization/kernels.py.
   std::vector<at::Tensor> tensors;
   std::vector<int64_t> ints;
@@ -58,7 +61,7 @@ struct LinearCall {
   at::Tensor operator()(const at::Tensor& x) const {
     const auto& t = tensors;
     switch (kind) {
-      case kDense: return dense_linear(x, t[0], t[1], t[2], ints[0]);
+      case kDense: return dense_linear(x, t[0], t[1], t[2], t[3], ints[0], ints[1]);
       case kW8A16: return ascent_quant::w8a16_linear(x, t[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
       case kW4A16:
         return ascent_quant::w4a16_linear(x, t[0], ints[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
@@ -68,7 +71,7 @@ struct LinearCall {
   }
 
   static LinearCall make(int64_t kind, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
-    const size_t want_tensors = kind == kDense ? 3 : 4, want_ints = kind == kW4A16 || kind == kDense ? 1 : 0;
+    const size_t want_tensors = 4, want_ints = kind == kDense ? 2 : (kind == kW4A16 ? 1 : 0);
     TORCH_CHECK(kind >= kDense && kind <= kW8A8Dynamic && tensors.size() == want_tensors && ints.size() == want_ints,
                 "DecodeStack: linear kind ", kind, " with ", tensors.size(), " tensors / ", ints.size(), " ints");
     TORCH_CHECK(tensors[0].dim() == 2 || (kind == kDense && ints[0] == 0), "DecodeStack: weight operand must be 2-D");

@@ -1,0 +1,106 @@
+"""The AMX bf16 linear (``amx_linear_cpu.cpp``) and its place in the CPU linear dispatch (``cpu_packing``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ascent.layers import cpu_kernels, cpu_packing
+
+
+def _cpu_has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags and "amx_tile" in flags
+
+
+pytestmark = pytest.mark.skipif(not _cpu_has_amx_bf16(), reason="this CPU has no AMX-BF16 (the kernel cannot run)")
+
+
+@pytest.fixture(scope="module")
+def amx():
+    module = cpu_kernels.amx_ops()
+    assert module is not None, "a CPU with AMX-BF16 must get the AMX kernel"
+    return module
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().t()
+    return y + bias.double() if bias is not None else y
+
+
+def _assert_bf16_of(got: torch.Tensor, exact: torch.Tensor) -> None:
+    """``got`` (bf16) is the exact product rounded once, up to fp32 summation error: within one bf16 ulp."""
+    assert got.dtype == torch.bfloat16
+    tol = exact.abs() * 2.0**-8 + 1e-6 * exact.abs().max()
+    assert bool(((got.double() - exact).abs() <= tol).all())
+
+
+def test_pack_layout(amx):
+    w = torch.randn(48, 96).to(torch.bfloat16)
+    wp = amx.amx_pack(w)
+    assert wp.shape == (3, 3, 16, 32)
+    for nb, kb, r, c, t in [(0, 0, 0, 0, 0), (2, 1, 5, 7, 1), (1, 2, 15, 15, 0), (2, 2, 9, 3, 1)]:
+        assert wp[nb, kb, r, 2 * c + t] == w[16 * nb + c, 32 * kb + 2 * r + t]
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 64), (96, 576)])
+@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 32, 33, 64, 100])
+def test_linear_is_the_exact_product_rounded(amx, m, n, k):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    wp = amx.amx_pack(w)
+    _assert_bf16_of(amx.amx_linear(x, wp, None), _exact(x, w, None))
+    _assert_bf16_of(amx.amx_linear(x, wp, bias), _exact(x, w, bias))
+
+
+def test_leading_dims_strides_and_bad_inputs(amx):
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    wp = amx.amx_pack(w)
+    wide = torch.randn(2, 3, 80).to(torch.bfloat16)
+    x = wide[..., 8:72]  # [2, 3, 64] non-contiguous rows
+    got = amx.amx_linear(x, wp, None)
+    assert got.shape == (2, 3, 32)
+    _assert_bf16_of(got.reshape(6, 32), _exact(x.reshape(6, 64), w, None))
+    with pytest.raises(RuntimeError, match="N % 16"):
+        amx.amx_pack(torch.zeros(24, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="K % 32"):
+        amx.amx_pack(torch.zeros(32, 48, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="last dim"):
+        amx.amx_linear(torch.zeros(1, 32, dtype=torch.bfloat16), wp, None)
+    with pytest.raises(RuntimeError, match="bf16"):
+        amx.amx_linear(torch.zeros(1, 64), wp, None)
+
+
+def test_dispatch_takes_amx_up_to_its_row_limit(amx, monkeypatch):
+    w = (torch.randn(64, 32) * 0.1).to(torch.bfloat16)
+    tiles = cpu_packing.amx_linear_weight(w)
+    assert tiles is not None and tiles.nbytes == w.numel() * 2
+    packed = cpu_packing.pack_linear_weight(w)
+    calls = []
+
+    class Recorder:
+        def amx_linear(self, x, wp, bias):
+            calls.append(x.shape[0])
+            return amx.amx_linear(x, wp, bias)
+
+    recorded = cpu_packing.AmxWeight(Recorder(), tiles.packed)
+    for m in (1, 7, cpu_packing.AMX_MAX_M, cpu_packing.AMX_MAX_M + 1):
+        x = torch.randn(m, 32).to(torch.bfloat16)
+        got = cpu_packing.cpu_linear(x, torch.empty(0, dtype=torch.bfloat16), packed, None, None, recorded)
+        torch.testing.assert_close(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+    assert calls == [1, 7, cpu_packing.AMX_MAX_M]  # above the limit: the oneDNN-packed weight
+    fp32 = torch.randn(3, 32)
+    with pytest.raises(RuntimeError):  # fp32 activations never reach the bf16 tiles: F.linear on the plain weight
+        cpu_packing.cpu_linear(fp32, torch.empty(0, dtype=torch.bfloat16), None, None, None, recorded)
+    assert calls == [1, 7, cpu_packing.AMX_MAX_M]
+    monkeypatch.setenv("ASCENT_CPU_AMX", "0")
+    assert cpu_packing.amx_linear_weight(w) is None
+    monkeypatch.delenv("ASCENT_CPU_AMX")
+    assert cpu_packing.amx_linear_weight(w.float()) is None and cpu_packing.amx_linear_weight(w[:, :16]) is None
