@@ -65,6 +65,27 @@ struct Operands {
   int64_t n;
 };
 
+// fp32 -> bf16 bits, nearest-even with NaN -> 0x7FC0: c10::BFloat16's conversion, 16 lanes at a time.
+__attribute__((target("avx512f,avx512bw"))) inline __m256i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// y[m0 + r, col0 + c] = bf16(scratch[r][c] + bias[col0 + c]) for r < rows, c < 16 * blocks (scratch rows of 32).
+__attribute__((target("avx512f,avx512bw"))) void store_rows(const Operands& o, const float* scratch, int64_t m0,
+                                                             int64_t rows, int64_t col0, int blocks) {
+  for (int b = 0; b < blocks; ++b) {
+    const __m512 bias = o.bias ? _mm512_loadu_ps(o.bias + col0 + 16 * b) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 v = _mm512_add_ps(_mm512_load_ps(scratch + r * 32 + 16 * b), bias);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.y + (m0 + r) * o.n + col0 + 16 * b), bf16_bits(v));
+    }
+  }
+}
+
 // y[m0 : m0 + rows0 + rows1, 16 nb : 16 (nb + blocks)] for blocks in {1, 2} column blocks; tiles configured by the
 // caller for (rows0, rows1).
 __attribute__((target("amx-tile,amx-bf16"))) void column_blocks(const Operands& o, int64_t m0, int64_t rows0,
@@ -98,12 +119,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void column_blocks(const Operands& 
   _tile_stored(5, scratch + 16, 128);
   _tile_stored(6, scratch + 16 * 32, 128);
   _tile_stored(7, scratch + 16 * 32 + 16, 128);
-  const int64_t cols = 16 * blocks, col0 = 16 * nb;
-  for (int64_t r = 0; r < rows0 + rows1; ++r)
-    for (int64_t c = 0; c < cols; ++c) {
-      const float v = scratch[r * 32 + c] + (o.bias ? o.bias[col0 + c] : 0.f);
-      o.y[(m0 + r) * o.n + col0 + c] = c10::BFloat16(v);
-    }
+  store_rows(o, scratch, m0, rows0 + rows1, 16 * nb, blocks);
 }
 
 // All rows of x for the column-block pairs [pair_begin, pair_end): per pair, every 32-row block in turn, so the pair's
