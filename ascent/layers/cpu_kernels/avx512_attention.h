@@ -21,9 +21,11 @@ bool has_avx512_bf16() {
 
 constexpr int64_t kValuePrefetch = 8;  // value rows prefetched this many keys ahead
 
-// Every cache line of one head's d-element bf16 row.
-inline void prefetch_row(const bf16* row, int64_t d) {
-  for (int64_t b = 0; b < d * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+// The cache lines of `elems` bf16 values from `row`. Callers prefetch row_w values from their head's slice: the whole
+// slot row (every KV head) from the first head, which the other heads' units (the same row, next in order) then find
+// cached; from later heads the tail past the row is harmless (prefetches never fault).
+inline void prefetch_row(const bf16* row, int64_t elems) {
+  for (int64_t b = 0; b < elems * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
 }
 
 // r[j] = sum of the 16 lanes of v[j], j < 16 (lane j of the result holds key j's score).
@@ -49,11 +51,11 @@ ASCENT_AVX512_BF16 void grouped_scores(const bf16* q, const bf16* kbase, const i
   for (int g = 0; g < G; ++g)
     for (int p = 0; p < P; ++p) qv[g][p] = (__m512bh)_mm512_loadu_si512(q + g * d + p * 32);
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t j = 0; j < std::min<int64_t>(n, 16); ++j) prefetch_row(kbase + slots[j] * row_w, d);
+  for (int64_t j = 0; j < std::min<int64_t>(n, 16); ++j) prefetch_row(kbase + slots[j] * row_w, row_w);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t keys = std::min<int64_t>(16, n - j0);
     for (int64_t j = j0 + 16; j < std::min<int64_t>(n, j0 + 32); ++j)  // the next block's rows: misses in flight
-      prefetch_row(kbase + slots[j] * row_w, d);
+      prefetch_row(kbase + slots[j] * row_w, row_w);
     for (int g = 0; g < G; ++g) {
       __m512 dots[16];
       for (int64_t j = 0; j < 16; ++j) {
@@ -98,9 +100,9 @@ ASCENT_AVX512 void grouped_values(const float* p, const bf16* vbase, const int64
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < std::min(n, kValuePrefetch); ++j) prefetch_row(vbase + slots[j] * row_w, d);
+  for (int64_t j = 0; j < std::min(n, kValuePrefetch); ++j) prefetch_row(vbase + slots[j] * row_w, row_w);
   for (int64_t j = 0; j < n; ++j) {
-    if (j + kValuePrefetch < n) prefetch_row(vbase + slots[j + kValuePrefetch] * row_w, d);
+    if (j + kValuePrefetch < n) prefetch_row(vbase + slots[j + kValuePrefetch] * row_w, row_w);
     const bf16* vr = vbase + slots[j] * row_w;
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = bf16_load(vr + c * 16, 0xFFFF);
