@@ -105,7 +105,10 @@ class StepCostModel:
         while free:
             idx = np.array(free)
             m = self._xtx[np.ix_(idx, idx)] + ridge[np.ix_(idx, idx)] + 1e-12 * np.eye(len(idx))
-            sol = np.linalg.lstsq(m, self._xty[idx], rcond=None)[0]
+            try:  # symmetric positive definite (normal equations + ridge): a direct solve, 5x cheaper than lstsq
+                sol = np.linalg.solve(m, self._xty[idx])
+            except np.linalg.LinAlgError:
+                sol = np.linalg.lstsq(m, self._xty[idx], rcond=None)[0]
             if (sol >= 0).all():
                 coef[idx] = sol
                 break
