@@ -7,7 +7,7 @@
 //   scores: q . k with vdpbf16ps straight on the bf16 rows (products exact, fp32 sums), 16 keys at a time, the 16
 //           dot-product vectors folded into one vector of 16 scores by a 4-level shuffle tree (45 ops per 16 keys
 //           instead of a full horizontal reduction per key), times `scale` afterwards;
-//   softmax: as the per-head kernel (exp512, fp32);
+//   softmax: softmax_rows (avx512_bf16.h), shared with the per-head kernel;
 //   values: each value row widened to fp32 once and accumulated into the registers of every query head of the group.
 // The result differs from the per-head kernel only in fp32 summation order (tests compare both with SDPA).
 #pragma once
@@ -66,29 +66,6 @@ ASCENT_AVX512_BF16 void grouped_scores(const bf16* q, const bf16* kbase, const i
           dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(kr + p * 32), qv[g][p]);
       }
       _mm512_mask_storeu_ps(sc + g * n + j0, tail_mask(keys), _mm512_mul_ps(fold16(dots), vscale));
-    }
-  }
-}
-
-// In place: each row sc[g * n .. + n) becomes softmax(row) (max-subtracted exp512, fp32 sum).
-ASCENT_AVX512 void softmax_rows(float* sc, int64_t rows, int64_t n) {
-  for (int64_t g = 0; g < rows; ++g) {
-    float* sg = sc + g * n;
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < n; j += 16)
-      vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n - j), sg + j));
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = tail_mask(n - j);
-      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), mx)));
-      _mm512_mask_storeu_ps(sg + j, m, e);
-      total = _mm512_add_ps(total, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = tail_mask(n - j);
-      _mm512_mask_storeu_ps(sg + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sg + j), inv));
     }
   }
 }

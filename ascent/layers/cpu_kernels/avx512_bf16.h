@@ -108,6 +108,29 @@ ASCENT_AVX512 void rotary_neox_head_avx512(bf16* v, const bf16* cosr, const bf16
   }
 }
 
+// In place: each row sc[g * n .. + n) becomes softmax(row) (max-subtracted exp512, fp32 sum).
+ASCENT_AVX512 void softmax_rows(float* sc, int64_t rows, int64_t n) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = sc + g * n;
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16)
+      vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n - j), sg + j));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = tail_mask(n - j);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), mx)));
+      _mm512_mask_storeu_ps(sg + j, m, e);
+      total = _mm512_add_ps(total, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = tail_mask(n - j);
+      _mm512_mask_storeu_ps(sg + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sg + j), inv));
+    }
+  }
+}
+
 // attend_kv_head for bf16 with C = ceil(d / 16) vector chunks (d <= 16 * C): per query head the q row and the P.V
 // accumulators live in registers; K/V rows are re-read per head of the group from L1. Softmax as the scalar path.
 template <int C>
@@ -127,7 +150,6 @@ ASCENT_AVX512 void attend_kv_head_avx512(const bf16* q, const bf16* kbase, const
       qv[c] = _mm512_mul_ps(bf16_load(q + g * d + c * 16, mask[c]), vscale);
       acc[c] = _mm512_setzero_ps();
     }
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; ++j) {
       const bf16* kr = kbase + slots[start + j] * row_w;
       __m512 dot = _mm512_setzero_ps();
@@ -135,20 +157,10 @@ ASCENT_AVX512 void attend_kv_head_avx512(const bf16* q, const bf16* kbase, const
       for (int c = 0; c < C; ++c) dot = _mm512_fmadd_ps(qv[c], bf16_load(kr + c * 16, mask[c]), dot);
       sg[j] = _mm512_reduce_add_ps(dot);
     }
-    for (int64_t j = 0; j < n; j += 16)
-      vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n - j), sg + j));
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = tail_mask(n - j);
-      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), mx)));
-      _mm512_mask_storeu_ps(sg + j, m, e);
-      total = _mm512_add_ps(total, e);
-    }
-    const float inv = 1.f / _mm512_reduce_add_ps(total);
+    softmax_rows(sg, 1, n);
     for (int64_t j = 0; j < n; ++j) {
       const bf16* vr = vbase + slots[start + j] * row_w;
-      const __m512 pj = _mm512_set1_ps(sg[j] * inv);
+      const __m512 pj = _mm512_set1_ps(sg[j]);
 #pragma GCC unroll 16
       for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(pj, bf16_load(vr + c * 16, mask[c]), acc[c]);
     }
