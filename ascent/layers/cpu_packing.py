@@ -128,7 +128,8 @@ def limit_dual_layouts(model: nn.Module, budget_bytes: int | None = None) -> int
     ``layer.small_m_ops`` set; AMX tiles, ``layer.amx_weight``) exceed the budget, release them all so the model
     costs no more memory than packed-only. Returns the bytes kept."""
     packed = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
-    plain = [m for m in packed if getattr(m, "small_m_ops", None) is not None and getattr(m, "owns_plain_weight", False)]
+    plain = [m for m in packed
+             if getattr(m, "small_m_ops", None) is not None and getattr(m, "owns_plain_weight", False)]
     amx = [m for m in packed if getattr(m, "amx_weight", None) is not None]
     kept = sum(m.weight.numel() * m.weight.element_size() for m in plain) + sum(m.amx_weight.nbytes for m in amx)
     if kept <= (dual_layout_budget_bytes() if budget_bytes is None else budget_bytes):

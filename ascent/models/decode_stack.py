@@ -7,12 +7,13 @@ the non-GEMV time of a small-batch decode step once the weight stream has evicte
 
 It applies when the model is built only from the stock pieces: ``DecoderLayer`` of ``RopeSelfAttention`` (with or
 without Qwen3's per-head q/k RMSNorms, which run the module path's torch ops from C++), ``GatedMLP`` with SiLU,
-projections the stack can call (``linear_call``: unquantized ones with a plain or a oneDNN-packed weight, quantized
-schemes that provide ``decode_stack_call``), tensor parallel size 1, the SDPA backend and no
+projections the stack can call (``linear_call``: unquantized ones with AMX tiles, a plain or a oneDNN-packed
+weight, quantized schemes that provide ``decode_stack_call``), tensor parallel size 1, the SDPA backend and no
 captured hidden states; and when the step is decode-only with at most ``max_tokens`` tokens: for quantized
 projections the range in which the module path uses the same small-M kernels (the schemes' crossovers), so the values
-are the module path's; unquantized ones make the module path's per-call choice (small-M kernel up to ``SMALL_M_MAX``
-rows, else the oneDNN-packed weight) and take any number of tokens. Anything else runs the modules.
+are the module path's; unquantized ones make the module path's per-call choice (``cpu_packing.cpu_linear``: AMX
+tiles up to ``AMX_MAX_M`` rows, small-M kernel up to ``SMALL_M_MAX``, else the oneDNN-packed weight) and take any
+number of tokens. Anything else runs the modules.
 ``ASCENT_CPU_DECODE_STACK=0`` disables it.
 """
 
@@ -33,8 +34,8 @@ from ascent.layers.linear import UnquantizedLinearMethod
 
 
 LinearSpec = tuple[int, list[torch.Tensor], list[int]]
-# Unquantized projections choose between the small-M kernel and the packed weight per call exactly as the modules do,
-# so they put no bound on the step's tokens.
+# Unquantized projections choose their kernel per call exactly as the modules do, so they put no bound on the step's
+# tokens.
 UNBOUNDED_TOKENS = 1 << 30
 
 
@@ -114,7 +115,7 @@ class CpuDecodeStack:
         self.model = model
         self.steps_run = 0  # decode steps served by the C++ stack (observability and tests)
         self.largest_step = 0  # most tokens of a step it served
-        self.max_tokens = 0  # tokens per step the stack takes (the smallest small-M range of its projections)
+        self.max_tokens = 0  # tokens per step the stack takes (the smallest range of its projections)
         self._stack: Any = None
         self._caches: list[torch.Tensor] = []
         self._attention: list[nn.Module] = []  # the layers' Attention modules (their kv_cache is bound later)

@@ -37,14 +37,22 @@ def _compile_flags() -> list[str]:
     return ["-O3", "-fopenmp"] + (["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"] if avx2 else [])
 
 
-# Sources that #include other kernel sources (their bytes are part of the build hash).
+# The kernel sources each source #includes directly (their bytes, and their own includes', are part of the build hash).
 _INCLUDES: dict[str, tuple[str, ...]] = {
     "fused_cpu.cpp": ("avx512_bf16.h", "avx512_attention.h"),
     "quant_gemv_cpu.cpp": ("quant_wo_blocks.h", "quant_wo_bf16.h", "quant_wo_fma8.h", "quant_int8_blocks.h"),
-    "decode_stack_cpu.cpp": ("fused_cpu.cpp", "avx512_bf16.h", "avx512_attention.h", "gemv_cpu.cpp", "quant_gemv_cpu.cpp",
-                             "amx_linear_cpu.cpp",
-                             "quant_wo_blocks.h", "quant_wo_bf16.h", "quant_wo_fma8.h", "quant_int8_blocks.h"),
+    "decode_stack_cpu.cpp": ("fused_cpu.cpp", "gemv_cpu.cpp", "quant_gemv_cpu.cpp", "amx_linear_cpu.cpp"),
 }
+
+
+def _included(source_name: str) -> list[str]:
+    """Every kernel source ``source_name`` includes, directly or through another, once each."""
+    found: list[str] = []
+    for name in _INCLUDES.get(source_name, ()):
+        for item in (name, *_included(name)):
+            if item not in found:
+                found.append(item)
+    return found
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,7 +69,7 @@ def load_extension(source_name: str) -> ModuleType | None:
         logger.warning("CPU kernel source %s is missing; using torch ops", source)
         return None
     flags = _compile_flags()
-    text = source.read_bytes() + b"".join(source.with_name(name).read_bytes() for name in _INCLUDES.get(source_name, ()))
+    text = source.read_bytes() + b"".join(source.with_name(name).read_bytes() for name in _included(source_name))
     source_hash = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
     build_dir = _build_dir(source_hash)
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -103,7 +111,7 @@ def quant_ops() -> ModuleType | None:
 
 
 def sampling_ops() -> ModuleType | None:
-    """Sampler kernels (``sampling_cpu.cpp``: the fused inverse-CDF draw), or None when not applicable."""
+    """Sampler kernels (``sampling_cpu.cpp``: greedy argmax, inverse-CDF draw), or None when not applicable."""
     return load_extension("sampling_cpu.cpp") if fused_ops_enabled() else None
 
 
