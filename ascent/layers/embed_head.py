@@ -154,7 +154,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Pack a (possibly tied, hence copied) weight for oneDNN on CPU; the embedding keeps its dense rows."""
         self.packed_weight = pack_linear_weight(self.weight)
         self.amx_weight = amx_linear_weight(self.weight)
-        self.small_m_ops = small_m_kernel(self.weight)  # reads the dense rows the embedding keeps anyway
+        # the small-M kernel reads the dense rows the embedding keeps anyway; AMX tiles take its calls where they exist
+        self.small_m_ops = small_m_kernel(self.weight) if self.amx_weight is None else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
