@@ -26,6 +26,10 @@ tokens of the step, ``G``: its expected output), and only when the step's drafts
 ``c`` of a verifying step (:func:`~ascent.spec_decode.step_cost.cost_cut`); probes of idle requests are batched into
 the same step. Memory-bound steps (batch 1) keep nearly every draft, compute-bound ones (large batches on few cores)
 only the likely ones.
+
+Goodput arbiter (``goodput_arbiter``, default on): a safety net over all of the above, which are models. The runner
+measures output tokens per second of decode steps with speculation and of interleaved windows without it, per
+batch-size bucket, and speculates only while that is measured to be faster (:mod:`ascent.spec_decode.arbiter`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from ascent.spec_decode.arbiter import GoodputArbiter
 from ascent.spec_decode.step_cost import StepCostModel, cost_cut
 
 Schedule = list[tuple[int, int, int]]
@@ -93,8 +98,9 @@ def batch_size_k(schedule: Schedule, batch_size: int, max_k: int) -> int:
 @dataclass(frozen=True)
 class DynamicSpecParams:
     """vLLM Ascend ``dynamic_spec_config.method_params`` (defaults as there) plus the ascent extensions
-    ``min_draft_survival``, ``probe_interval`` and the cost-aware gate ``cost_gate``, ``cost_safety_factor``,
-    ``cost_half_life``, ``cost_min_samples`` (module docstring)."""
+    ``min_draft_survival``, ``probe_interval``, the cost-aware gate ``cost_gate``, ``cost_safety_factor``,
+    ``cost_half_life``, ``cost_min_samples`` (module docstring) and the measured arbitration ``goodput_arbiter``,
+    ``arbiter_window``, ``arbiter_interval`` (:mod:`ascent.spec_decode.arbiter`)."""
 
     initial_verify_budget_per_req: int = 5
     budget_update_interval: int = 16
@@ -106,10 +112,14 @@ class DynamicSpecParams:
     cost_safety_factor: float = 1.0
     cost_half_life: float = 64.0
     cost_min_samples: int = 8
+    goodput_arbiter: bool = True
+    arbiter_window: int = 4
+    arbiter_interval: int = 16
 
     def __post_init__(self) -> None:
         for name, lo in (("initial_verify_budget_per_req", 0), ("budget_update_interval", 1),
-                         ("min_verify_tokens", 0), ("probe_interval", 1)):
+                         ("min_verify_tokens", 0), ("probe_interval", 1), ("arbiter_window", 1),
+                         ("arbiter_interval", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name}={v!r} is invalid: must be an integer >= {lo}")
@@ -117,8 +127,9 @@ class DynamicSpecParams:
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
                 raise ValueError(f"{name}={t!r} is invalid: must be in [0, 1]")
-        if not isinstance(self.cost_gate, bool):
-            raise ValueError(f"cost_gate={self.cost_gate!r} is invalid: must be true or false")
+        for name in ("cost_gate", "goodput_arbiter"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be true or false")
         for name, lo, hi in (("cost_safety_factor", 0.0, 100.0), ("cost_half_life", 1.0, 1e6)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
@@ -126,6 +137,12 @@ class DynamicSpecParams:
         v = self.cost_min_samples
         if isinstance(v, bool) or not isinstance(v, int) or v < 2:
             raise ValueError(f"cost_min_samples={v!r} is invalid: must be an integer >= 2")
+
+    def arbiter(self) -> GoodputArbiter | None:
+        """A fresh :class:`GoodputArbiter` (None when ``goodput_arbiter`` is off)."""
+        if not self.goodput_arbiter:
+            return None
+        return GoodputArbiter(window=self.arbiter_window, interval=self.arbiter_interval)
 
     def step_cost_model(self) -> StepCostModel | None:
         """A fresh :class:`StepCostModel` for the cost-aware gate (None when ``cost_gate`` is off)."""

@@ -97,13 +97,25 @@ class SuffixTree:
             active.pop(0)
         seq.append(token)
         end = len(seq)
-        for i, node in enumerate(active):
-            active[i] = self._grow(node, token, seq, end)
+        root, grow = self._root, self._grow
+        for i, node in enumerate(active):  # the two commonest cases of _grow inline (same effect)
+            child = node.children.get(token)
+            if child is None:
+                if node is not root and node.count == 1:  # a unique suffix's leaf: lengthen it
+                    node.length += 1
+                    node.ref, node.ref_idx = seq, end - node.length
+                    continue
+            elif child.length == 1 and (node is root or node.count != child.count + 1):  # one more occurrence
+                child.count += 1
+                child.ref, child.ref_idx = seq, end - 1
+                active[i] = child
+                continue
+            active[i] = grow(node, child, token, seq, end)
 
-    def _grow(self, node: _Node, token: int, seq: list[int], end: int) -> _Node:
-        """Extend the suffix ending at ``node`` by ``token`` (now at ``seq[end - 1]``); returns its new end node."""
+    def _grow(self, node: _Node, child: _Node | None, token: int, seq: list[int], end: int) -> _Node:
+        """Extend the suffix ending at ``node`` by ``token`` (now at ``seq[end - 1]``; ``child``: ``node``'s child
+        starting with it, if any); returns its new end node."""
         root = self._root
-        child = node.children.get(token)
         if child is None:
             if node is not root and node.count == 1:  # only this suffix reaches the leaf: lengthen it
                 node.length += 1
@@ -267,6 +279,10 @@ class SuffixTree:
 class SuffixCache:
     """Per-request prompt trees plus one global response tree (arctic-inference's ``SuffixDecodingCache`` API).
 
+    A prompt tree is indexed lazily: prompt and generated tokens are queued and inserted at the request's next
+    ``speculate`` (or ``local_tree``), so a request that never drafts (plain decoding chosen by dynamic
+    speculation) never pays for its tree; drafts are the same as with eager insertion.
+
     ``max_cached_requests``: responses kept in the global tree (0 disables it, negative = unbounded); when over,
     the least recently started/updated response is evicted (``eviction="fifo"``: the oldest started, as in Arctic).
     """
@@ -279,6 +295,7 @@ class SuffixCache:
         self.eviction = eviction
         self._global = SuffixTree(max_tree_depth)
         self._local: dict[Hashable, SuffixTree] = {}
+        self._unindexed: dict[Hashable, list[int]] = {}  # per request: tokens not yet in its prompt tree
         self._cached: OrderedDict[Hashable, None] = OrderedDict()  # eviction order, oldest first
 
     @property
@@ -295,15 +312,18 @@ class SuffixCache:
         return self._global
 
     def local_tree(self, req_id: Hashable) -> SuffixTree:
-        return self._local[req_id]
+        tree = self._local[req_id]
+        pending = self._unindexed.pop(req_id, None)
+        if pending:
+            tree.extend(0, pending)
+        return tree
 
     def start_request(self, req_id: Hashable, prompt_token_ids: Sequence[int]) -> None:
-        """Build the request's prompt tree; reserve its global slot (replacing a cached response with the same id)."""
+        """Start the request's prompt tree (indexed lazily); reserve its global slot (replacing a cached response with the same id)."""
         if req_id in self._local:
             raise ValueError(f"request {req_id!r} is already active")
-        tree = SuffixTree(self.max_tree_depth)
-        tree.extend(0, prompt_token_ids)
-        self._local[req_id] = tree
+        self._local[req_id] = SuffixTree(self.max_tree_depth)
+        self._unindexed[req_id] = [int(t) for t in prompt_token_ids]
         if self.max_cached_requests == 0:
             return
         if req_id in self._cached:
@@ -316,7 +336,7 @@ class SuffixCache:
         """Append generated tokens to the request's prompt tree and (while cached) its global response."""
         if req_id not in self._local:
             raise ValueError(f"request {req_id!r} is not active")
-        self._local[req_id].extend(0, token_ids)
+        self._unindexed.setdefault(req_id, []).extend(int(t) for t in token_ids)
         if req_id in self._cached:
             self._global.extend(req_id, token_ids)
             if self.eviction == "lru":
@@ -327,6 +347,7 @@ class SuffixCache:
         if req_id not in self._local:
             raise ValueError(f"request {req_id!r} is not active")
         del self._local[req_id]
+        self._unindexed.pop(req_id, None)
 
     def evict_cached_response(self, req_id: Hashable) -> None:
         if req_id not in self._cached:
@@ -342,6 +363,6 @@ class SuffixCache:
             raise ValueError(f"request {req_id!r} is not active")
         ctx = [int(t) for t in pattern[-self.max_tree_depth:]]
         args = (max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob)
-        best = self._local[req_id].speculate(ctx, *args)
+        best = self.local_tree(req_id).speculate(ctx, *args)
         other = self._global.speculate(ctx, *args)
         return other if other.score > best.score else best

@@ -187,8 +187,10 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if self.spec is None:
             return self._execute_model(so)
-        with self.spec.timed_step(so):  # step timing for the cost-aware draft gate
-            return self._execute_model(so)
+        with self.spec.timed_step(so) as step:  # step timing for the cost-aware draft gate and the arbiter
+            output = self._execute_model(so)
+            step.output_tokens = sum(len(t) for t in output.sampled_token_ids)
+        return output
 
     @torch.inference_mode()
     def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

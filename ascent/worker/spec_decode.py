@@ -15,11 +15,12 @@ every ``probe_interval`` steps). Per step, the number of running requests can ca
 (``num_speculative_tokens_per_batch_size``) or switch speculation off (``speculative_disable_by_batch_size``); a step
 without drafts skips the proposer's drafting entirely (it still learns the committed tokens).
 
-Step timing (cost-aware gate, ``dynamic_params.cost_gate``): the model runner wraps every step in
-:meth:`SpecDecodeRunner.timed_step`; a decode-only step (every request computes 1 token plus its drafts) yields one
-sample ``(tokens, seconds, carried drafts)`` for the :class:`StepCostModel`, where ``seconds`` runs from its start to
-the next step's start (so scheduler and output processing count), or is its own execution time when the engine idled
-in between.
+Step timing (cost-aware gate ``dynamic_params.cost_gate``, goodput arbiter ``goodput_arbiter``): the model runner
+wraps every step in :meth:`SpecDecodeRunner.timed_step`; a decode-only step (every request computes 1 token plus its
+drafts) yields one sample ``(tokens, seconds, carried drafts)`` for the :class:`StepCostModel` and one ``(requests,
+output tokens, seconds, speculated)`` for the :class:`GoodputArbiter`, where ``seconds`` runs from its start to the
+next step's start (so scheduler, proposer and output processing count), or is its own execution time when the
+engine idled in between. The arbiter decides at each proposal whether the next step speculates at all.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,6 +36,7 @@ import torch
 
 from ascent.sample.metadata import SamplingMetadata
 from ascent.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
+from ascent.spec_decode.arbiter import GoodputArbiter
 from ascent.spec_decode.base import Proposer, SpeculativeConfig
 from ascent.spec_decode.draft_runner import DraftEnv
 from ascent.spec_decode.dynamic import (AcceptanceStats, DraftGate, DynamicSpecParams, DynamicSpecScheduler,
@@ -51,6 +54,19 @@ if TYPE_CHECKING:
 IDLE_GAP_FACTOR = 3.0
 
 
+@dataclass
+class StepRecord:
+    """One decode-only step as timed for the step-cost model and the arbiter (``num_reqs == 0``: not timed)."""
+
+    num_reqs: int = 0
+    tokens: int = 0  # scheduled tokens (1 + drafts per request)
+    start: float = 0.0
+    busy: float = 0.0  # execution seconds
+    verify: bool = False  # carried drafts
+    speculated: bool | None = None  # the arbiter's mode for this step (None: not decided by the arbiter)
+    output_tokens: int = 0  # committed tokens (set by the caller)
+
+
 class SpecDecodeRunner:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, rng_placement: str,
                  generator: torch.Generator | None) -> None:
@@ -65,16 +81,18 @@ class SpecDecodeRunner:
         self.acceptance: AcceptanceStats | None = None
         self.gate: DraftGate | None = None
         self.step_cost: StepCostModel | None = None
+        self.arbiter: GoodputArbiter | None = None
         if config.dynamic:
             params = DynamicSpecParams.from_dict(config.dynamic_params)
             self.dynamic = DynamicSpecScheduler(self.k, params)
             self.acceptance = AcceptanceStats(self.k)
             self.step_cost = params.step_cost_model()
+            self.arbiter = params.arbiter()
             self.gate = DraftGate(params.min_draft_survival, params.probe_interval, self.step_cost,
                                   params.cost_safety_factor)
         self.clock: Callable[[], float] = time.perf_counter  # injectable (tests)
-        self._step_open: tuple[int, float, bool] | None = None  # (tokens, start, verify) of the running step
-        self._step_done: tuple[int, float, float, bool] | None = None  # + busy seconds, of the previous step
+        self._step_done: StepRecord | None = None  # the previous decode-only step, closed by the next one's start
+        self._next_mode: tuple[int, bool] | None = None  # (num_reqs, speculate) the arbiter chose for the next step
         self.last_draft_lengths: dict[str, int] = {}  # per request, the draft budget of the latest proposal
 
     def load_model(self, target_model: torch.nn.Module, engine_config: EngineConfig | None = None) -> None:
@@ -116,26 +134,37 @@ class SpecDecodeRunner:
 
     # ------------------------------------------------------------------------------------------------ timing
     @contextmanager
-    def timed_step(self, so: SchedulerOutput) -> Iterator[None]:
-        """Wrap one model-runner step: feeds the step-cost model (module docstring); a no-op without one."""
-        if self.step_cost is None:
-            yield
+    def timed_step(self, so: SchedulerOutput) -> Iterator[StepRecord]:
+        """Wrap one model-runner step: feeds the step-cost model and the goodput arbiter (module docstring); the
+        caller sets the yielded record's ``output_tokens``. A no-op without either."""
+        record = StepRecord()
+        if self.step_cost is None and self.arbiter is None:
+            yield record
             return
         now = self.clock()
         if self._step_done is not None:
-            tokens, start, busy, verify = self._step_done
-            period = now - start
-            self.step_cost.observe(tokens, period if period <= IDLE_GAP_FACTOR * busy else busy, verify)
+            self._observe(self._step_done, now)
             self._step_done = None
         num_reqs = len(so.num_scheduled_tokens)
         num_drafts = sum(len(d) for d in so.scheduled_spec_decode_tokens.values())
-        decode_only = num_reqs > 0 and so.total_num_scheduled_tokens == num_reqs + num_drafts
-        self._step_open = (so.total_num_scheduled_tokens, now, num_drafts > 0) if decode_only else None
-        yield
-        if self._step_open is not None:
-            tokens, start, verify = self._step_open
-            self._step_done = (tokens, start, self.clock() - start, verify)
-            self._step_open = None
+        mode, self._next_mode = self._next_mode, None
+        if num_reqs > 0 and so.total_num_scheduled_tokens == num_reqs + num_drafts:  # decode-only
+            record.num_reqs, record.tokens, record.start, record.verify = num_reqs, so.total_num_scheduled_tokens, \
+                now, num_drafts > 0
+            record.speculated = mode[1] if mode is not None and mode[0] == num_reqs else None
+            yield record
+            record.busy = self.clock() - now
+            self._step_done = record
+        else:
+            yield record
+
+    def _observe(self, step: StepRecord, now: float) -> None:
+        period = now - step.start
+        seconds = period if period <= IDLE_GAP_FACTOR * step.busy else step.busy
+        if self.step_cost is not None:
+            self.step_cost.observe(step.tokens, seconds, step.verify)
+        if self.arbiter is not None and step.speculated is not None:
+            self.arbiter.observe(step.num_reqs, step.output_tokens, seconds, step.speculated)
 
     # ------------------------------------------------------------------------------------------------ drafts
     def verify(self, drafts: list[list[int]], target_logits: torch.Tensor, metadata: SamplingMetadata,
@@ -203,6 +232,10 @@ class SpecDecodeRunner:
             if toks:
                 self.proposer.update_request(req_id, toks)
         cap = self.step_k(int(batch.num_reqs))
+        if cap > 0 and req_ids and self.arbiter is not None:
+            speculate = self.arbiter.speculate(len(req_ids))
+            self._next_mode = (len(req_ids), speculate)
+            cap = cap if speculate else 0
         if cap == 0 or not req_ids:
             self.last_draft_lengths.update((r, 0) for r in req_ids)
             return {}

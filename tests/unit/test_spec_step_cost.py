@@ -3,6 +3,7 @@ greedy equality end to end (deterministic: fixed cost models or an injected cloc
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import numpy as np
@@ -323,3 +324,16 @@ def test_greedy_equal_with_real_suffix_and_the_default_timed_gate(tiny_llama_dir
     llm, _ = _gated_llm(tiny_llama_dir, plain, None, real_suffix=True)
     assert _run(llm, [GOOD, BAD, GOOD]) == [plain[tuple(GOOD)], plain[tuple(BAD)], plain[tuple(GOOD)]]
     assert llm.llm_engine.engine_core.worker.model_runner.spec.step_cost.ready
+
+
+def test_greedy_equal_while_the_goodput_arbiter_alternates_modes(tiny_llama_dir, plain):
+    spec = {"method": "suffix", "num_speculative_tokens": K, "dynamic": True,
+            "dynamic_params": {"cost_gate": False, "arbiter_window": 2, "arbiter_interval": 2}}
+    llm = LLM(model=tiny_llama_dir, speculative_config=spec, dtype="float32", max_model_len=128,
+              disable_log_stats=True)
+    runner = llm.llm_engine.engine_core.worker.model_runner.spec
+    ticks = itertools.count()
+    runner.clock = lambda: next(ticks) * 1e-3  # a ticking clock: timed steps, the arbiter explores both modes
+    assert _run(llm, [GOOD, BAD]) == [plain[tuple(GOOD)], plain[tuple(BAD)]]
+    assert runner.arbiter is not None and min(runner.arbiter.num_steps) > 0
+    assert all(r > 0 for r in runner.arbiter.rates(2))  # decode steps of both modes were timed and attributed

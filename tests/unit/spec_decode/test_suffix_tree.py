@@ -201,3 +201,21 @@ def test_cache_lifecycle_errors():
         SuffixCache(eviction="lfu")
     with pytest.raises(ValueError, match="max_depth=0"):
         SuffixTree(0)
+
+
+def test_prompt_trees_are_indexed_lazily_with_the_same_drafts():
+    lazy, eager = SuffixCache(max_tree_depth=4), SuffixTree(4)
+    prompt, outputs = [1, 2, 3, 1, 2], [[3, 1], [2, 3, 1]]
+    lazy.start_request("r", prompt)
+    eager.extend(0, prompt)
+    for out in outputs:
+        lazy.add_active_response("r", out)
+        eager.extend(0, out)
+        assert lazy._local["r"].sequences == {}  # nothing indexed before a draft is asked for
+    assert lazy.global_tree.sequences == {"r": [3, 1, 2, 3, 1]}  # responses reach the global tree at once
+    ctx = prompt + outputs[0] + outputs[1]
+    assert lazy.speculate("r", ctx, 3, 4.0, 0.0, 0.0).token_ids == eager.speculate(ctx[-4:], 3, 4.0, 0.0, 0.0).token_ids
+    assert lazy.local_tree("r").sequences == {0: ctx}
+    lazy.add_active_response("r", [2])
+    lazy.stop_request("r")  # queued tokens of a stopped request are dropped with its tree
+    assert lazy._unindexed == {} and lazy.global_tree.sequences == {"r": [3, 1, 2, 3, 1, 2]}
