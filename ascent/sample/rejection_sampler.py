@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from ascent.sample.metadata import SamplingMetadata
 from ascent.sample.rng import RandomSampler, argmax_rows
-from ascent.sample.sampler import apply_logits_processors, apply_random_transforms
+from ascent.sample.sampler import apply_logits_processors, apply_random_transforms, has_logits_processors
 from ascent.sample.spec_metadata import SpecDecodeMetadata, expand_sampling_metadata
 
 __all__ = [
@@ -174,10 +174,13 @@ class RejectionSampler(nn.Module):
         if spec.num_requests == 0:
             return []
         row_md = expand_sampling_metadata(sampling_metadata, spec)
-        processed = apply_logits_processors(
-            target_logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format), row_md
-        )
         greedy = (sampling_metadata.temperature <= 0).cpu().numpy()
+        if greedy.all() and not has_logits_processors(row_md) and target_logits.dtype == torch.float32:
+            processed = target_logits  # read only: greedy verification needs no processed copy
+        else:
+            processed = apply_logits_processors(
+                target_logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format), row_md
+            )
         accepted = np.zeros(spec.num_requests, dtype=np.int64)
         final = np.zeros(spec.num_requests, dtype=np.int64)
         if greedy.any():

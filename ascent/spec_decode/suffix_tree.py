@@ -219,37 +219,61 @@ class SuffixTree:
         return 0 if hit is None else hit[0].count
 
     def speculate(self, context: Sequence[int], max_spec_tokens: int, max_spec_factor: float = 1.0,
-                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1) -> Draft:
+                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1, seq_id: Hashable | None = None) -> Draft:
         """Best chain draft continuing ``context``.
 
         For each match length ``m = 1 .. len(context) - 1`` (stopping at the first suffix that does not occur), walk
         from the match point along the highest-count child, ``prob *= child.count / node.count`` at each branch,
         emitting tokens while ``prob >= min_token_prob`` and fewer than
         ``min(max_spec_tokens, int(m * max_spec_factor + max_spec_offset + 1e-6))``; keep the best score (ties ->
-        the longer match).
+        the longer match). ``seq_id``: a stored sequence whose tail may equal ``context``; when it does, the match
+        points are that sequence's tracked suffix ends (every suffix ends at a node end), not walks from the root,
+        with the same result.
         """
         ctx = [int(t) for t in context]
-        best = Draft()
+        ends = self._tail_suffix_ends(ctx, seq_id)
+        best: tuple[list[int], list[float], float] = ([], [], 0.0)
+        best_m = 0
         for m in range(1, len(ctx)):
-            hit = self._match(ctx[len(ctx) - m:])
-            if hit is None:
-                break
+            if ends is not None:
+                node, idx = ends[-m], ends[-m].length
+            else:
+                hit = self._match(ctx[len(ctx) - m:])
+                if hit is None:
+                    break
+                node, idx = hit
+            if idx >= node.length and not node.children:  # nothing ever followed this suffix: an empty draft
+                if best[2] <= 0.0:
+                    best, best_m = ([], [], 0.0), m
+                continue
             cap = max(0, min(max_spec_tokens, int(m * max_spec_factor + max_spec_offset + 1e-6)))
-            draft = self._walk(hit[0], hit[1], cap, min_token_prob)
-            if draft.score >= best.score:
-                best = draft
-                best.match_len = m
-        return best
+            draft = self._walk(node, idx, cap, min_token_prob)
+            if draft[2] >= best[2]:
+                best, best_m = draft, m
+        return Draft(token_ids=best[0], probs=best[1], score=best[2], match_len=best_m)
+
+    def _tail_suffix_ends(self, ctx: list[int], seq_id: Hashable | None) -> list[_Node] | None:
+        """The end nodes of sequence ``seq_id``'s last suffixes (``[-m]``: length ``m``) when its tail is ``ctx``."""
+        if seq_id is None or not ctx:
+            return None
+        seq = self._seqs.get(seq_id)
+        if seq is None or len(seq) < len(ctx) or seq[len(seq) - len(ctx):] != ctx:
+            return None
+        ends = self._active.get(seq_id)
+        return ends if ends is not None and len(ends) >= len(ctx) - 1 else None
 
     @staticmethod
-    def _walk(node: _Node, idx: int, max_tokens: int, min_token_prob: float) -> Draft:
-        draft = Draft()
+    def _walk(node: _Node, idx: int, max_tokens: int, min_token_prob: float) -> tuple[list[int], list[float], float]:
+        """(tokens, their probabilities, score) of the chain from ``idx`` tokens into ``node``."""
+        tokens: list[int] = []
+        probs: list[float] = []
+        score = 0.0
         prob = 1.0
-        while len(draft.token_ids) < max_tokens and prob >= min_token_prob:
+        while len(tokens) < max_tokens and prob >= min_token_prob:
             if idx < node.length:
-                draft.token_ids.append(node.ref[node.ref_idx + idx])
-                draft.probs.append(prob)
-                draft.score += prob
+                tokens.append(node.ref[node.ref_idx + idx])
+                probs.append(prob)
+                score += prob
                 idx += 1
                 continue
             child = node.best_child()
@@ -257,7 +281,7 @@ class SuffixTree:
                 break
             prob *= child.count / node.count
             node, idx = child, 0
-        return draft
+        return tokens, probs, score
 
     # ---------------------------------------------------------------------------------------------- checks
     def check_integrity(self) -> None:
@@ -363,6 +387,6 @@ class SuffixCache:
             raise ValueError(f"request {req_id!r} is not active")
         ctx = [int(t) for t in pattern[-self.max_tree_depth:]]
         args = (max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob)
-        best = self.local_tree(req_id).speculate(ctx, *args)
-        other = self._global.speculate(ctx, *args)
+        best = self.local_tree(req_id).speculate(ctx, *args, seq_id=0)
+        other = self._global.speculate(ctx, *args, seq_id=req_id)
         return other if other.score > best.score else best

@@ -219,3 +219,24 @@ def test_prompt_trees_are_indexed_lazily_with_the_same_drafts():
     lazy.add_active_response("r", [2])
     lazy.stop_request("r")  # queued tokens of a stopped request are dropped with its tree
     assert lazy._unindexed == {} and lazy.global_tree.sequences == {"r": [3, 1, 2, 3, 1, 2]}
+
+
+@settings(max_examples=150, deadline=None)
+@given(seqs=st.lists(st.lists(TOKENS, min_size=1, max_size=30), min_size=2, max_size=4), depth=st.integers(1, 6),
+       max_tokens=st.integers(1, 5), factor=st.sampled_from([0.5, 1.0, 2.0]), drop=st.integers(0, 3))
+def test_tail_match_points_equal_walks_from_the_root(seqs, depth, max_tokens, factor, drop):
+    tree = SuffixTree(depth)
+    for i in range(max(map(len, seqs))):  # interleaved appends, as concurrent requests grow
+        for s, seq in enumerate(seqs):
+            if i < len(seq):
+                tree.append(s, seq[i])
+    tree.remove(drop % len(seqs))  # another sequence's eviction must leave the tracked suffix ends valid
+    for s, seq in enumerate(seqs):
+        if s == drop % len(seqs):
+            continue
+        for n in range(1, min(depth, len(seq)) + 1):
+            ctx = seq[-n:]
+            fast = tree.speculate(ctx, max_tokens, factor, 0.0, 0.2, seq_id=s)
+            slow = tree.speculate(ctx, max_tokens, factor, 0.0, 0.2)
+            assert (fast.token_ids, fast.probs, fast.score, fast.match_len) == \
+                (slow.token_ids, slow.probs, slow.score, slow.match_len)
