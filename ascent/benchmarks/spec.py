@@ -56,12 +56,14 @@ DEFAULT_DYNAMIC_PARAMS = {"min_draft_survival": 0.25, "probe_interval": 16}
 
 @dataclass(frozen=True)
 class SpecCounts:
-    """Cumulative draft verification counts (a copy of the scheduler's ``spec_stats_total``)."""
+    """Cumulative draft verification counts (a copy of the scheduler's ``spec_stats_total``) and the goodput
+    arbiter's decided steps ``(speculative, plain)`` (zeros without dynamic speculation)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: tuple[int, ...] = ()
+    arbiter_steps: tuple[int, int] = (0, 0)
 
     def minus(self, before: "SpecCounts") -> "SpecCounts":
         """Counts accumulated since ``before``."""
@@ -70,7 +72,9 @@ class SpecCounts:
         old = list(before.accepted_per_pos) + [0] * (width - len(before.accepted_per_pos))
         return SpecCounts(self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
                           self.num_accepted_tokens - before.num_accepted_tokens,
-                          tuple(a - b for a, b in zip(now, old)))
+                          tuple(a - b for a, b in zip(now, old)),
+                          (self.arbiter_steps[0] - before.arbiter_steps[0],
+                           self.arbiter_steps[1] - before.arbiter_steps[1]))
 
     def plus(self, other: "SpecCounts") -> "SpecCounts":
         """Counts of both (e.g. two rounds)."""
@@ -78,7 +82,9 @@ class SpecCounts:
         a = list(self.accepted_per_pos) + [0] * (width - len(self.accepted_per_pos))
         b = list(other.accepted_per_pos) + [0] * (width - len(other.accepted_per_pos))
         return SpecCounts(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
-                          self.num_accepted_tokens + other.num_accepted_tokens, tuple(x + y for x, y in zip(a, b)))
+                          self.num_accepted_tokens + other.num_accepted_tokens, tuple(x + y for x, y in zip(a, b)),
+                          (self.arbiter_steps[0] + other.arbiter_steps[0],
+                           self.arbiter_steps[1] + other.arbiter_steps[1]))
 
 
 # ------------------------------------------------------------------------------------------------ measurement
@@ -88,7 +94,16 @@ def spec_counts(llm: Any) -> SpecCounts:
     if total is None:
         return SpecCounts()
     return SpecCounts(int(total.num_drafts), int(total.num_draft_tokens), int(total.num_accepted_tokens),
-                      tuple(int(x) for x in total.accepted_per_pos))
+                      tuple(int(x) for x in total.accepted_per_pos), _arbiter_steps(llm))
+
+
+def _arbiter_steps(llm: Any) -> tuple[int, int]:
+    """The in-process runner's goodput-arbiter step counts ``(speculative, plain)``; zeros when there is none (no
+    dynamic speculation, or workers in other processes)."""
+    worker = getattr(llm.llm_engine.engine_core, "worker", None)
+    spec = getattr(getattr(worker, "model_runner", None), "spec", None)
+    arbiter = getattr(spec, "arbiter", None)
+    return (int(arbiter.num_steps[0]), int(arbiter.num_steps[1])) if arbiter is not None else (0, 0)
 
 
 def acceptance_summary(counts: SpecCounts, k: int) -> dict[str, Any]:
@@ -102,6 +117,7 @@ def acceptance_summary(counts: SpecCounts, k: int) -> dict[str, Any]:
         "acceptance_rate": safe_ratio(counts.num_accepted_tokens, tokens),
         "per_position_acceptance_rate": [c / drafts for c in per_pos] if drafts else None,
         "mean_draft_length": safe_ratio(tokens, drafts),
+        "arbiter_speculative_steps": counts.arbiter_steps[0], "arbiter_plain_steps": counts.arbiter_steps[1],
     }
 
 
@@ -369,6 +385,11 @@ def _equality(r: dict[str, Any]) -> str:
     return f"False ({r['num_mismatched_requests']} differ, first at output tokens {r['first_mismatch_positions']})"
 
 
+def _arbiter_share(r: dict[str, Any]) -> str:
+    spec, plain = r.get("arbiter_speculative_steps") or 0, r.get("arbiter_plain_steps") or 0
+    return f"  arbiter: {spec}/{spec + plain} steps speculative" if spec + plain else ""
+
+
 def format_summary(result: dict[str, Any]) -> str:
     """Human-readable summary of a spec-decode result."""
     cfg = result["config"]
@@ -387,7 +408,7 @@ def format_summary(result: dict[str, Any]) -> str:
                          f"{_fmt(r['acceptance_rate'], '.3f')}  per-pos {pos}  {_fmt(r['output_tokens_per_second'])} "
                          f"output tok/s  x{_fmt(r['speedup_vs_no_spec'])} vs no spec (CPU time "
                          f"x{_fmt(r.get('speedup_cpu_time'))})  outputs equal: "
-                         f"{_equality(r)}")
+                         f"{_equality(r)}{_arbiter_share(r)}")
     if result["env"]["load_warning"]:
         lines.append(f"  WARNING: 1-minute load {result['env']['loadavg'][0]:.2f} exceeds half the cores; "
                      "timings are unreliable")

@@ -96,10 +96,10 @@ def test_spec_bench_acceptance_numbers(spec_result: tuple[dict, dict]) -> None:
 
 
 def test_acceptance_summary_and_counts_delta() -> None:
-    before = SpecCounts(2, 5, 3, (2, 1))
-    after = SpecCounts(6, 16, 9, (5, 3, 1))
+    before = SpecCounts(2, 5, 3, (2, 1), (4, 1))
+    after = SpecCounts(6, 16, 9, (5, 3, 1), (10, 3))
     delta = after.minus(before)
-    assert delta == SpecCounts(4, 11, 6, (3, 2, 1))
+    assert delta == SpecCounts(4, 11, 6, (3, 2, 1), (6, 2)) and delta.plus(before) == after
     summary = acceptance_summary(delta, 4)
     assert summary["mean_acceptance_length"] == pytest.approx(2.5)
     assert summary["acceptance_rate"] == pytest.approx(6 / 11)
@@ -191,3 +191,6 @@ def test_spec_bench_rounds_concurrency_and_draft_model(tiny_llama_dir: str) -> N
             assert r["speedup_vs_no_spec"] > 0 and r["speedup_aggregate"] > 0
         draft = work["methods"]["draft_model"]
         assert draft["num_drafts"] > 0 and draft["num_accepted_tokens"] == draft["num_draft_tokens"]
+        assert (draft["arbiter_speculative_steps"], draft["arbiter_plain_steps"]) == (0, 0)  # not dynamic
+        dynamic = work["methods"]["suffix+dynamic"]
+        assert dynamic["arbiter_speculative_steps"] > 0  # the arbiter decided this run's steps (speculation first)
