@@ -15,8 +15,8 @@ workload is noticed). An exploitation run lasts ``interval`` steps, stretched up
 advantage grows (``interval · 10 · (ratio - 1)``), and ends at once when the exploited mode's own rate falls below
 the other's (speculation that stopped paying is noticed within a few steps; a plain run re-checks speculation
 within ``4 × interval`` steps). Rates are exponentially weighted sums with ``half_life`` steps per mode, so an
-exploration window is compared with the recent steps of the winner. Steps timed at 0 s (a frozen test clock) carry no information and
-leave the arbiter on speculation.
+exploration window is compared with the recent steps of the winner. Steps timed at 0 s (a frozen test clock) carry
+no information and leave the arbiter on speculation.
 """
 
 from __future__ import annotations

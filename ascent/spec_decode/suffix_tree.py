@@ -343,7 +343,8 @@ class SuffixCache:
         return tree
 
     def start_request(self, req_id: Hashable, prompt_token_ids: Sequence[int]) -> None:
-        """Start the request's prompt tree (indexed lazily); reserve its global slot (replacing a cached response with the same id)."""
+        """Start the request's prompt tree (indexed lazily); reserve its global slot (replacing a cached response with
+        the same id)."""
         if req_id in self._local:
             raise ValueError(f"request {req_id!r} is already active")
         self._local[req_id] = SuffixTree(self.max_tree_depth)

@@ -20,7 +20,7 @@ wraps every step in :meth:`SpecDecodeRunner.timed_step`; a decode-only step (eve
 drafts) yields one sample ``(tokens, seconds, carried drafts)`` for the :class:`StepCostModel` and one ``(requests,
 output tokens, seconds, speculated)`` for the :class:`GoodputArbiter`, where ``seconds`` runs from its start to the
 next step's start (so scheduler, proposer and output processing count), or is its own execution time when the
-engine idled in between. The arbiter decides at each proposal whether the next step speculates at all.
+engine idled in between. With the arbiter on, it decides at each proposal whether the next step speculates.
 """
 
 from __future__ import annotations

@@ -25,8 +25,7 @@ def plain(tiny_llama_dir) -> dict[tuple[int, ...], list[int]]:
 
 def _dynamic_llm(model_dir: str, plain) -> tuple[LLM, _ScriptedProposer]:
     spec = {"method": "ngram", "num_speculative_tokens": K, "dynamic": True,
-            "dynamic_params": {"budget_update_interval": 2, "min_verify_tokens": 1,
-                               "goodput_arbiter": False}}  # the scheduler's own lengths (wall-clock free)
+            "dynamic_params": {"budget_update_interval": 2, "min_verify_tokens": 1}}
     llm = LLM(model=model_dir, speculative_config=spec, dtype="float32", max_model_len=128, disable_log_stats=True)
     runner = llm.llm_engine.engine_core.worker.model_runner.spec
     proposer = _ScriptedProposer(runner.config, 128, plain)

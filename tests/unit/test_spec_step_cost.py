@@ -328,7 +328,8 @@ def test_greedy_equal_with_real_suffix_and_the_default_timed_gate(tiny_llama_dir
 
 def test_greedy_equal_while_the_goodput_arbiter_alternates_modes(tiny_llama_dir, plain):
     spec = {"method": "suffix", "num_speculative_tokens": K, "dynamic": True,
-            "dynamic_params": {"cost_gate": False, "arbiter_window": 2, "arbiter_interval": 2}}
+            "dynamic_params": {"cost_gate": False, "goodput_arbiter": True, "arbiter_window": 2,
+                               "arbiter_interval": 2}}
     llm = LLM(model=tiny_llama_dir, speculative_config=spec, dtype="float32", max_model_len=128,
               disable_log_stats=True)
     runner = llm.llm_engine.engine_core.worker.model_runner.spec

@@ -71,10 +71,9 @@ def test_validation_and_params():
         GoodputArbiter(window=0)
     with pytest.raises(ValueError, match="half_life=nan"):
         GoodputArbiter(half_life=float("nan"))
-    params = DynamicSpecParams()
-    assert params.goodput_arbiter and isinstance(params.arbiter(), GoodputArbiter)
-    assert DynamicSpecParams(goodput_arbiter=False).arbiter() is None
-    arb = DynamicSpecParams(arbiter_window=2, arbiter_interval=8).arbiter()
+    assert DynamicSpecParams().arbiter() is None  # opt-in
+    assert isinstance(DynamicSpecParams(goodput_arbiter=True).arbiter(), GoodputArbiter)
+    arb = DynamicSpecParams(goodput_arbiter=True, arbiter_window=2, arbiter_interval=8).arbiter()
     assert arb is not None and (arb.window, arb.interval) == (2, 8)
     for bad in ({"goodput_arbiter": 1}, {"arbiter_window": 0}, {"arbiter_interval": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
