@@ -311,7 +311,7 @@ class DraftGate:
     def _cost_cut(self, survival: np.ndarray, keep: np.ndarray, forced: int) -> np.ndarray:
         assert self.cost is not None
         a, b, c = self.cost.coefficients()
-        cut = cost_cut(survival, keep, a, b, c, self.cost_safety, forced_drafts=forced)
+        cut = cost_cut(survival, keep, a, b, c, self.cost_safety, forced_drafts=forced, e=self.cost.row_block_cost())
         self.num_cost_cut += int(keep.sum() - cut.sum())
         return cut
 

@@ -1,27 +1,31 @@
-"""Online step-cost model ``t_step ≈ a + b · num_tokens + c · [step verifies drafts]`` and the cost-aware draft cut.
+"""Online step-cost model ``t_step ≈ a + b · num_tokens + c · [step verifies drafts] + e · ⌈num_tokens / 16⌉`` and the
+cost-aware draft cut.
 
 :class:`StepCostModel` fits the wall time of an engine step as an affine function of the tokens it computes plus a
 fixed verification overhead ``c`` paid by any step that carries drafts (multi-token attention paths, logits of every
 verified position, the rejection sampler), with an exponentially weighted least-squares fit (weights halve every
-``half_life`` observations; O(1) memory: the 3×3 weighted normal equations). Robustness: the first ``min_samples``
-observations are buffered and fitted after dropping those above ``3 ×`` their median (compilation, first-touch);
-afterwards every residual is winsorized to ``outlier_scale ×`` an exponentially weighted mean absolute residual (at
-least ``5 %`` of the prediction), so an idle gap or a hiccup of a shared machine moves the fit by a bounded amount
-while a real shift of the cost is still followed within a few half-lives. ``b`` and ``c`` are ridge-shrunk towards 0
-(``prior_weight``, negligible once the data vary) and all coefficients are kept ``>= 0``: while the data cannot tell
-(constant token count, or every step verifying), drafts are assumed free, which keeps speculation on until variation
-shows what it costs.
+``half_life`` observations; O(1) memory: the 4×4 weighted normal equations). The fourth term ``e`` charges every
+started block of ``ROW_BLOCK`` (16) tokens: the GEMMs run in 16-row tiles, so a step of 17 tokens costs a second tile
+pass over every weight (measured on SmolLM2 with AMX, 2 threads: 8.8 ms at 14-16 rows, 10.0 ms at 17), a jump an affine
+fit spreads over all tokens. Robustness: the first ``min_samples`` observations are buffered and fitted after dropping
+those above ``3 ×`` their median (compilation, first-touch); afterwards every residual is winsorized to ``outlier_scale
+×`` an exponentially weighted mean absolute residual (at least ``5 %`` of the prediction), so an idle gap or a hiccup
+of a shared machine moves the fit by a bounded amount while a real shift of the cost is still followed within a few
+half-lives. ``b``, ``c``, ``e`` are ridge-shrunk towards 0 (``prior_weight``, negligible once the data vary) and all
+coefficients are kept ``>= 0``: while the data cannot tell (constant token count, or every step verifying), drafts are
+assumed free, which keeps speculation on until variation shows what it costs.
 
-:func:`cost_cut` is the throughput-optimal draft allocation for a step under that model. With ``B`` requests, the
-step emits ``G = B + Σ s`` tokens in expectation (``s``: cumulative acceptance survival of each kept draft) and
-costs ``T = a + b · N + c · [any draft]`` (``N = B + #drafts``). Without ``c`` a draft raises the throughput ``G / T``
-iff ``s ≥ b · G / (a + b · N)``: the expected output of one more verified token must cover its marginal cost in the
+:func:`cost_cut` is the throughput-optimal draft allocation for a step under that model. With ``B`` requests, the step
+emits ``G = B + Σ s`` tokens in expectation (``s``: cumulative acceptance survival of each kept draft) and costs ``T =
+a + b · N + c · [any draft] + e · ⌈N / 16⌉`` (``N = B + #drafts``). Without ``c`` a draft raises the throughput ``G /
+T`` iff ``s ≥ b · G / (a + b · N)``: the expected output of one more verified token must cover its marginal cost in the
 step's current output per unit time. For a given number of drafts the best ones are the most likely (cost depends on
-the count only), so the cut scans the drafts by decreasing survival and keeps the count with the best ``G / T``
-(0 included: a few low-survival drafts do not pay for ``c``); per request the kept drafts are a prefix, since
-survival is non-increasing along a draft. At batch 1 on a memory-bound step (``a ≫ b``) nearly every draft is kept;
-on a compute-bound step with many requests (``a ≲ b · B``) only near-certain drafts survive. ``safety`` multiplies
-the marginal costs of the drafts (> 1: keep fewer, a margin for a noisy fit or optimistic acceptance estimates).
+the count only), so the cut scans the drafts by decreasing survival and keeps the count with the best ``G / T`` (0
+included: a few low-survival drafts do not pay for ``c``, nor for a row block they would start); per request the kept
+drafts are a prefix, since survival is non-increasing along a draft. At batch 1 on a memory-bound step (``a ≫ b``)
+nearly every draft is kept; on a compute-bound step with many requests (``a ≲ b · B``) only near-certain drafts
+survive. ``safety`` multiplies the marginal costs of the drafts (> 1: keep fewer, a margin for a noisy fit or
+optimistic acceptance estimates).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+ROW_BLOCK = 16  # tokens per row block of the step's GEMMs (AMX tiles: a 17th row starts a second tile pass)
 
 
 class StepCostModel:
@@ -51,9 +57,9 @@ class StepCostModel:
         self.num_observed = 0
         self.num_clipped = 0
         self._warmup: list[tuple[float, float, float]] = []
-        self._xtx = np.zeros((3, 3))  # EW sums of f fᵀ, f = (1, num_tokens, verify)
-        self._xty = np.zeros(3)  # EW sums of f · seconds
-        self._coef: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        self._xtx = np.zeros((4, 4))  # EW sums of f fᵀ, f = (1, num_tokens, verify, row blocks)
+        self._xty = np.zeros(4)  # EW sums of f · seconds
+        self._coef: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
         self._abs_resid = 0.0  # EW mean absolute residual (winsorized)
 
     # ------------------------------------------------------------------------------------------------ updates
@@ -90,7 +96,7 @@ class StepCostModel:
         self._abs_resid = float(np.mean([abs(y - self.predict(x, bool(d))) for x, y, d in kept]))
 
     def _add(self, x: float, y: float, d: float) -> None:
-        f = np.array([1.0, x, d])
+        f = np.array([1.0, x, d, row_blocks(x)])
         self._xtx *= self.decay
         self._xty *= self.decay
         self._xtx += np.outer(f, f)
@@ -99,9 +105,9 @@ class StepCostModel:
     def _solve(self) -> None:
         """Ridge least squares with ``a, b, c >= 0`` (a coefficient that comes out negative is fixed at 0 and the
         others refitted)."""
-        free = [0, 1, 2]
-        coef = np.zeros(3)
-        ridge = np.diag([0.0, self.prior_weight, self.prior_weight])
+        free = [0, 1, 2, 3]
+        coef = np.zeros(4)
+        ridge = np.diag([0.0, self.prior_weight, self.prior_weight, self.prior_weight])
         while free:
             idx = np.array(free)
             m = self._xtx[np.ix_(idx, idx)] + ridge[np.ix_(idx, idx)] + 1e-12 * np.eye(len(idx))
@@ -113,7 +119,7 @@ class StepCostModel:
                 coef[idx] = sol
                 break
             free.remove(free[int(np.argmin(sol))])
-        self._coef = (float(coef[0]), float(coef[1]), float(coef[2]))
+        self._coef = (float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]))
 
     # ------------------------------------------------------------------------------------------------ queries
     @property
@@ -124,31 +130,40 @@ class StepCostModel:
     def coefficients(self) -> tuple[float, float, float]:
         """``(a, b, c)``: seconds per step, per token, and per verifying step; all ``>= 0`` (zeros before
         ``ready``)."""
-        return self._coef
+        return self._coef[:3]
+
+    def row_block_cost(self) -> float:
+        """``e``: seconds per started block of ``ROW_BLOCK`` tokens (``>= 0``; 0 before ``ready``)."""
+        return self._coef[3]
 
     def predict(self, num_tokens: float, verify: bool = False) -> float:
         """Predicted seconds of a step with ``num_tokens`` tokens (``verify``: carrying drafts)."""
-        a, b, c = self._coef
-        return a + b * float(num_tokens) + (c if verify else 0.0)
+        a, b, c, e = self._coef
+        return a + b * float(num_tokens) + (c if verify else 0.0) + e * row_blocks(num_tokens)
 
     def marginal_ratio(self, num_tokens: float) -> float:
         """``b / (a + b · num_tokens)``: one more token's cost as a fraction of a step (0 before ``ready``)."""
-        a, b, _ = self._coef
+        a, b, _, _ = self._coef
         total = a + b * float(num_tokens)
         return b / total if total > 0 else 0.0
 
 
+def row_blocks(num_tokens: float) -> float:
+    """Started blocks of ``ROW_BLOCK`` tokens: ``⌈num_tokens / ROW_BLOCK⌉``."""
+    return float(math.ceil(float(num_tokens) / ROW_BLOCK))
+
+
 def cost_cut(survival: np.ndarray, keep: np.ndarray, a: float, b: float, c: float = 0.0, safety: float = 1.0,
-             forced_drafts: int = 0) -> np.ndarray:
+             forced_drafts: int = 0, e: float = 0.0) -> np.ndarray:
     """Throughput-optimal cut of the per-request draft lengths ``keep [B]`` given cumulative acceptance survival
-    ``survival [B, D]`` and the step cost ``a + b · tokens + c · [drafts]`` (module docstring). ``forced_drafts``:
-    drafts the step carries regardless (probes), so ``c`` is paid anyway. Returns int64 ``[B]`` with
-    ``0 <= out <= keep``; free drafts (``b <= 0`` and ``c <= 0``) return ``keep`` unchanged."""
+    ``survival [B, D]`` and the step cost ``a + b · tokens + c · [drafts] + e · row_blocks(tokens)`` (module
+    docstring). ``forced_drafts``: drafts the step carries regardless (probes), so ``c`` is paid anyway. Returns int64
+    ``[B]`` with ``0 <= out <= keep``; free drafts (``b, c, e <= 0``) return ``keep`` unchanged."""
     survival = np.asarray(survival, dtype=np.float64)
     if survival.ndim != 2 or survival.shape[0] != np.asarray(keep).shape[0]:
         raise ValueError(f"survival shape {survival.shape} and keep shape {np.asarray(keep).shape} are inconsistent")
     keep = np.clip(np.asarray(keep, dtype=np.int64), 0, survival.shape[1])
-    if (not b > 0 and not c > 0) or keep.sum() == 0:
+    if (not b > 0 and not c > 0 and not e > 0) or keep.sum() == 0:
         return keep.copy()
     num_reqs, width = survival.shape
     rows_idx, cols_idx = np.nonzero(np.arange(width)[None, :] < keep[:, None])
@@ -159,7 +174,10 @@ def cost_cut(survival: np.ndarray, keep: np.ndarray, a: float, b: float, c: floa
     gain = num_reqs + np.concatenate(([0.0], np.cumsum(values)))
     scale = max(float(safety), 0.0)
     verify = np.where(count > 0, scale * max(c, 0.0), 0.0) if forced_drafts <= 0 else np.zeros_like(count)
-    cost = a + b * (num_reqs + forced_drafts) + scale * max(b, 0.0) * count + verify
+    base = num_reqs + forced_drafts
+    blocks = np.ceil((base + count) / ROW_BLOCK) - math.ceil(base / ROW_BLOCK)  # blocks the drafts start
+    cost = a + b * base + max(e, 0.0) * row_blocks(base) + scale * (max(b, 0.0) * count + max(e, 0.0) * blocks) \
+        + verify
     with np.errstate(divide="ignore", invalid="ignore"):
         rate = np.where(cost > 0, gain / cost, np.inf)
     best = int(np.argmax(rate))  # first maximum: the fewest drafts among equally good counts

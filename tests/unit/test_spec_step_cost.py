@@ -4,6 +4,7 @@ greedy equality end to end (deterministic: fixed cost models or an injected cloc
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 
 import numpy as np
@@ -13,7 +14,7 @@ from ascent import LLM, SamplingParams
 from ascent.core.sched_output import CachedRequestData, SchedulerOutput
 from tests.fixtures.scripted_proposer import BAD, GOOD, ScriptedProposer, plain_continuations, run_greedy
 from ascent.spec_decode.dynamic import DraftGate, DynamicSpecParams
-from ascent.spec_decode.step_cost import StepCostModel, cost_cut
+from ascent.spec_decode.step_cost import ROW_BLOCK, StepCostModel, cost_cut
 
 
 # ---------------------------------------------------------------------------------------------------- the fit
@@ -102,9 +103,10 @@ def test_fit_rejects_bad_settings(kwargs):
 
 
 # ---------------------------------------------------------------------------------------------------- the cut
-def _rate(survival, counts, a: float, b: float, c: float) -> float:
+def _rate(survival, counts, a: float, b: float, c: float, e: float = 0.0) -> float:
     g = len(counts) + sum(survival[i, :k].sum() for i, k in enumerate(counts))
-    return g / (a + b * (len(counts) + sum(counts)) + (c if sum(counts) else 0.0))
+    n = len(counts) + sum(counts)
+    return g / (a + b * n + (c if sum(counts) else 0.0) + e * math.ceil(n / ROW_BLOCK))
 
 
 def _brute_force(survival: np.ndarray, keep: np.ndarray, a: float, b: float, c: float) -> float:
@@ -139,6 +141,38 @@ def test_cut_is_throughput_optimal():
         out = cost_cut(survival, keep, a, b, c)
         assert (out <= keep).all() and (out >= 0).all()
         assert _rate(survival, out, a, b, c) == pytest.approx(_brute_force(survival, keep, a, b, c), rel=1e-9)
+
+
+def test_cut_pays_for_the_row_blocks_drafts_start():
+    # 14 requests with one draft each (survival 0.2): without e every draft pays; with e (a 17th row starts a second
+    # 16-row tile pass) only the two that fit in the first block do
+    survival = np.full((14, 1), 0.2)
+    keep = np.ones(14, dtype=np.int64)
+    assert cost_cut(survival, keep, a=0.01, b=5e-5).sum() == 14
+    assert cost_cut(survival, keep, a=0.01, b=5e-5, e=0.004).sum() == 2
+    rng = np.random.default_rng(5)
+    for _ in range(40):  # optimal over every draft count (one draft per request: the best k are the likeliest)
+        bsz = int(rng.integers(8, 40))
+        survival = rng.uniform(0.0, 1.0, size=(bsz, 1))
+        keep = np.ones(bsz, dtype=np.int64)
+        a, b, c, e = (float(rng.uniform(0.0, 0.02)), float(rng.uniform(1e-5, 1e-3)), float(rng.uniform(0.0, 0.005)),
+                      float(rng.uniform(0.0, 0.005)))
+        out = cost_cut(survival, keep, a, b, c, e=e)
+        ranked = np.sort(survival[:, 0])[::-1]
+        best = max(_rate(survival, (survival[:, 0] >= ranked[k - 1]).astype(int) if k else np.zeros(bsz, int),
+                         a, b, c, e) for k in range(bsz + 1))
+        assert _rate(survival, out, a, b, c, e) == pytest.approx(best, rel=1e-9)
+
+
+def test_fit_separates_the_row_block_cost():
+    model = StepCostModel(half_life=1000, min_samples=4)
+    for x in [14, 16, 17, 20, 25, 30, 32, 33, 40, 15, 18, 48, 49, 12] * 6:
+        model.observe(x, 0.010 + 0.0001 * x + 0.0013 * math.ceil(x / 16), verify=False)
+    a, b, c = model.coefficients()
+    assert model.row_block_cost() == pytest.approx(0.0013, rel=0.15)  # ridge-shrunk a little (prior_weight 1)
+    assert a == pytest.approx(0.010, rel=0.1) and b == pytest.approx(0.0001, rel=0.15) and c == 0.0
+    assert model.predict(17) - model.predict(16) == pytest.approx(0.0001 + 0.0013, rel=0.15)
+    assert model.predict(17) - model.predict(16) > 5 * (model.predict(16) - model.predict(15))  # the jump is seen
 
 
 def test_cut_fixed_verify_cost_needs_enough_drafts():
