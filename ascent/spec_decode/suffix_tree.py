@@ -230,7 +230,12 @@ class SuffixTree:
         points are that sequence's tracked suffix ends (every suffix ends at a node end), not walks from the root,
         with the same result.
         """
-        ctx = [int(t) for t in context]
+        return self._speculate([int(t) for t in context], max_spec_tokens, max_spec_factor, max_spec_offset,
+                               min_token_prob, seq_id)
+
+    def _speculate(self, ctx: list[int], max_spec_tokens: int, max_spec_factor: float, max_spec_offset: float,
+                   min_token_prob: float, seq_id: Hashable | None) -> Draft:
+        """:meth:`speculate` for a context that already is a list of Python ints."""
         ends = self._tail_suffix_ends(ctx, seq_id)
         best: tuple[list[int], list[float], float] = ([], [], 0.0)
         best_m = 0
@@ -388,6 +393,6 @@ class SuffixCache:
             raise ValueError(f"request {req_id!r} is not active")
         ctx = [int(t) for t in pattern[-self.max_tree_depth:]]
         args = (max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob)
-        best = self.local_tree(req_id).speculate(ctx, *args, seq_id=0)
-        other = self._global.speculate(ctx, *args, seq_id=req_id)
+        best = self.local_tree(req_id)._speculate(ctx, *args, seq_id=0)  # ctx is converted once, here
+        other = self._global._speculate(ctx, *args, seq_id=req_id)
         return other if other.score > best.score else best

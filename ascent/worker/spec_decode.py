@@ -137,9 +137,8 @@ class SpecDecodeRunner:
     def timed_step(self, so: SchedulerOutput) -> Iterator[StepRecord]:
         """Wrap one model-runner step: feeds the step-cost model and the goodput arbiter (module docstring); the
         caller sets the yielded record's ``output_tokens``. A no-op without either."""
-        record = StepRecord()
         if self.step_cost is None and self.arbiter is None:
-            yield record
+            yield StepRecord()
             return
         now = self.clock()
         if self._step_done is not None:
@@ -148,15 +147,15 @@ class SpecDecodeRunner:
         num_reqs = len(so.num_scheduled_tokens)
         num_drafts = sum(len(d) for d in so.scheduled_spec_decode_tokens.values())
         mode, self._next_mode = self._next_mode, None
-        if num_reqs > 0 and so.total_num_scheduled_tokens == num_reqs + num_drafts:  # decode-only
-            record.num_reqs, record.tokens, record.start, record.verify = num_reqs, so.total_num_scheduled_tokens, \
-                now, num_drafts > 0
-            record.speculated = mode[1] if mode is not None and mode[0] == num_reqs else None
-            yield record
-            record.busy = self.clock() - now
-            self._step_done = record
-        else:
-            yield record
+        if num_reqs == 0 or so.total_num_scheduled_tokens != num_reqs + num_drafts:  # not decode-only: not timed
+            yield StepRecord()
+            return
+        record = StepRecord(num_reqs=num_reqs, tokens=so.total_num_scheduled_tokens, start=now,
+                            verify=num_drafts > 0,
+                            speculated=mode[1] if mode is not None and mode[0] == num_reqs else None)
+        yield record
+        record.busy = self.clock() - now
+        self._step_done = record
 
     def _observe(self, step: StepRecord, now: float) -> None:
         period = now - step.start
