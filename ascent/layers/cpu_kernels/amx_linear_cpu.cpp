@@ -12,47 +12,23 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
+#include "amx_tiles.h"
+
 namespace ascent_amx {
 namespace {
 
-constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: request permission for an XSAVE feature
-constexpr int kXfeatureXtiledata = 18;
 constexpr int64_t kRowsPerTile = 16;
+using ascent_tiles::amx_usable;
+using ascent_tiles::TileConfig;
 
-// AMX-TILE and AMX-BF16 (CPUID.7.0:EDX bits 24 and 22) and the kernel's permission to use the tile state.
-bool amx_usable() {
-  static const bool ok = [] {
-    unsigned eax, ebx, ecx, edx;
-    __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
-    if (!((edx >> 24) & 1) || !((edx >> 22) & 1)) return false;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-// LDTILECFG operand: palette 1; tmm0/1 = activation rows of two 16-row blocks, tmm2/3 = weight tiles of two column
-// blocks, tmm4..7 = accumulators (A0,B0) (A0,B1) (A1,B0) (A1,B1).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
+// tmm0/1 = activation rows of two 16-row blocks, tmm2/3 = weight tiles of two column blocks, tmm4..7 = accumulators
+// (A0,B0) (A0,B1) (A1,B0) (A1,B1).
 TileConfig make_config(int64_t rows0, int64_t rows1) {
-  TileConfig cfg;
-  const int64_t rows[8] = {rows0, rows1, 16, 16, rows0, rows0, rows1, rows1};
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = static_cast<uint8_t>(std::max<int64_t>(rows[t], 1));
-    cfg.colsb[t] = 64;
-  }
-  return cfg;
+  return ascent_tiles::tile_config({rows0, rows1, 16, 16, rows0, rows0, rows1, rows1});
 }
 
 struct Operands {

@@ -14,6 +14,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
+
 namespace {
 
 constexpr int64_t kRowGrain = 16;  // rows per parallel chunk: small batches stay on the calling thread
@@ -55,6 +57,7 @@ inline float exp_approx(float x) {
 
 #include "avx512_bf16.h"
 #include "avx512_attention.h"
+#include "amx_attention.h"
 
 }  // namespace
 
@@ -291,6 +294,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
       TORCH_CHECK(sp[i * L + j] >= 0 && sp[i * L + j] < num_slots, "slot out of range");
   }
   auto out = at::empty({n, num_heads * d}, q.options());
+  if (q.scalar_type() == at::kBFloat16 && amx_attention_applies(d, group)) {
+    AttendFn single = attend_grouped_for(d, group);
+    if (single == nullptr) single = attend_avx512_for(d);
+    const bf16* kb = kv_cache.data_ptr<bf16>();
+    if (amx_decode_attention({q.data_ptr<bf16>(), q.stride(0), kb, kb + num_slots * row_w, sp, L, lens, num_heads,
+                              kv_heads, d, window, static_cast<float>(scale), out.data_ptr<bf16>(), single}, n))
+      return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kbase = kv_cache.data_ptr<scalar_t>();
@@ -320,6 +331,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   return out;
 }
 
+int64_t set_amx_attention(int64_t on) {
+  const int64_t previous = g_amx_attention;
+  g_amx_attention = on != 0;
+  return previous;
+}
+
+bool amx_attention_available(int64_t d, int64_t group) { return amx_attention_applies(d, group); }
+
 #ifndef ASCENT_EMBEDDED_KERNELS  // decode_stack_cpu.cpp includes this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "rms_norm(x [T,H], weight [H], eps) -> [T,H]");
@@ -329,5 +348,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged_decode_attention(q [n, heads*d], kv_cache [2,S,kvh,d], slots [n,L], seq_lens [n], heads, scale, window)");
   m.def("silu_and_mul", &silu_and_mul, "silu_and_mul(x [T, 2d]) -> [T, d]");
+  m.def("set_amx_attention", &set_amx_attention, "set_amx_attention(1|0) -> previous (tests: 0 = AVX512 kernels)");
+  m.def("amx_attention_available", &amx_attention_available, "amx_attention_available(d, group) -> bool");
 }
 #endif

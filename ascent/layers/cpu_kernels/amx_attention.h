@@ -1,0 +1,371 @@
+// AMX decode attention of fused_cpu.cpp (bf16, head dims 32 / 64 / 128). Included by fused_cpu.cpp inside its
+// anonymous namespace, after avx512_bf16.h and amx_tiles.h.
+//
+// On this project's Xeon a VDPBF16PS costs as much as four fp32 FMAs (2 cycles each), and the AVX512 kernels
+// (avx512_attention.h) spend ~20 cycles per (query row, head, key). One TDPBF16PS multiplies a 16 x 32 bf16 tile by
+// a 32 x 16 one, so here a unit takes up to 16 query rows that share their keys: the `group` query heads of one KV
+// head, for each of T consecutive token rows of one request (a speculative verification step expands a request into
+// rows with lengths len, len + 1, ...; a plain decode row is T = 1). Per unit:
+//   scores: S^T [keys x cols] = K . Q^T, 16 keys per tile: the A tile is 16 cache rows straight from the paged cache
+//           (slots of a 16-key block consecutive: one strided tile load; otherwise gathered), the B tiles Q^T in the
+//           VNNI layout (built once per unit);
+//   softmax: per column (lane c of each key's 16-lane row) over the column's own keys [start_c, len_c), fp32;
+//   values: O [cols x d] = P . V, 32 keys per step: P as two bf16 tiles (hi = bf16(p), lo = bf16(p - hi), so p is
+//           carried to ~16 bits), V pairs of rows interleaved into VNNI B tiles; fp32 accumulation in tiles, divided by
+//           the column's sum at the end.
+// Each column's result depends only on its own query, keys and values (masked keys contribute exact zeros), so a row
+// gets the same output whichever unit it is computed in. Products are exact and sums fp32 as in the other kernels;
+// only the order of the sums and p's 16-bit rounding differ (tests compare with SDPA and with the AVX512 kernel).
+#pragma once
+
+#define ASCENT_AMX_ATTENTION __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-bf16")))
+
+constexpr int64_t kAmxCols = 16;      // query rows per unit (columns of S^T)
+constexpr int64_t kAmxScoreKeys = 16;  // keys per score tile
+constexpr int64_t kAmxValueKeys = 32;  // keys per P.V step
+int g_amx_attention = 1;               // tests: 0 = the AVX512 kernels only
+
+// One unit's operands: column c's query row q[c] (d elements), output row out[c], keys [start[c], len[c]).
+struct AmxAttnUnit {
+  const bf16* q[kAmxCols];
+  bf16* out[kAmxCols];
+  int32_t start[kAmxCols];
+  int32_t len[kAmxCols];
+  int64_t cols;
+  const int64_t* slots;  // cache slot of every position below max(len) (the unit's longest row)
+  const bf16* kbase;     // the KV head's first element in the K / V halves of the cache
+  const bf16* vbase;
+  int64_t row_w;         // elements per cache slot
+};
+
+// Per-thread buffers (uint16 = bf16 bits).
+struct AmxAttnScratch {
+  std::vector<uint32_t> qt;  // Q^T B tiles [d / 32][16 pairs][16 cols] (bf16 pairs)
+  std::vector<uint16_t> kg;  // gathered K rows of two score tiles [2][16][d]
+  std::vector<float> st;     // S^T [keys][16]
+  std::vector<float> e;      // softmax numerators [cols][keys]
+  std::vector<uint16_t> p;   // P tiles per 32-key block: [blocks][hi, lo][16 cols][32 keys]
+  std::vector<uint16_t> vt;  // V B tiles [32-key blocks][d / 16][16 pairs][16 dims][2]
+  std::vector<float> o;      // O [16][d]
+};
+
+bool amx_attention_applies(int64_t d, int64_t group) {
+  return g_amx_attention && ascent_tiles::amx_usable() && has_avx512() && group <= kAmxCols &&
+         (d == 32 || d == 64 || d == 128);
+}
+
+// Whether the 16 slots from s are s[0], s[0] + 1, ..., s[0] + 15 (one strided tile load).
+ASCENT_AVX512 inline bool consecutive16(const int64_t* s) {
+  const __m512i base = _mm512_set1_epi64(s[0]);
+  const __m512i lo = _mm512_add_epi64(base, _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0));
+  const __m512i hi = _mm512_add_epi64(base, _mm512_set_epi64(15, 14, 13, 12, 11, 10, 9, 8));
+  return _mm512_cmpeq_epi64_mask(_mm512_loadu_si512(s), lo) == 0xFF &&
+         _mm512_cmpeq_epi64_mask(_mm512_loadu_si512(s + 8), hi) == 0xFF;
+}
+
+// Q^T in the VNNI B layout: pair r of 32-dim chunk ch of column c at qt[ch * 256 + r * 16 + c]; absent columns zero.
+template <int D>
+void amx_fill_qt(const AmxAttnUnit& u, AmxAttnScratch& s) {
+  s.qt.assign(static_cast<size_t>(D / 32 * 256), 0u);
+  for (int64_t c = 0; c < u.cols; ++c) {
+    const uint32_t* pairs = reinterpret_cast<const uint32_t*>(u.q[c]);
+    for (int64_t i = 0; i < D / 2; ++i) s.qt[(i / 16) * 256 + (i % 16) * 16 + c] = pairs[i];
+  }
+}
+
+// The 16 cache rows of the score tile at position p0 (keys at or past `end` as zero rows): straight from the cache
+// when their slots are consecutive, else gathered into `gather`. Returns the rows and sets their byte stride.
+template <int D>
+ASCENT_AVX512 inline const bf16* amx_key_rows(const AmxAttnUnit& u, int64_t p0, int64_t end, uint16_t* gather,
+                                              int64_t& stride) {
+  const int64_t valid = std::min<int64_t>(kAmxScoreKeys, end - p0);
+  if (valid == kAmxScoreKeys && consecutive16(u.slots + p0)) {
+    stride = u.row_w * 2;
+    return u.kbase + u.slots[p0] * u.row_w;
+  }
+  for (int64_t j = 0; j < kAmxScoreKeys; ++j) {
+    if (j < valid) std::memcpy(gather + j * D, u.kbase + u.slots[p0 + j] * u.row_w, D * 2);
+    else std::memset(gather + j * D, 0, D * 2);
+  }
+  stride = D * 2;
+  return reinterpret_cast<const bf16*>(gather);
+}
+
+// st[(j - base) * 16 + c] = q_c . k_j for positions j in [base, base + 16 * blocks) (blocks even); keys at or past
+// `end` read as zero rows. Two score tiles in flight (C tiles 0 / 6, A tiles 1 / 7; Q^T in tmm2 ..).
+template <int D>
+ASCENT_AMX_ATTENTION void amx_scores(const AmxAttnUnit& u, int64_t base, int64_t end, int64_t blocks,
+                                     AmxAttnScratch& s) {
+  constexpr int kChunks = D / 32;
+  const uint32_t* qt = s.qt.data();  // (the tile intrinsics take literal tile numbers)
+  _tile_loadd(2, qt, 64);
+  if constexpr (kChunks > 1) _tile_loadd(3, qt + 256, 64);
+  if constexpr (kChunks > 2) {
+    _tile_loadd(4, qt + 512, 64);
+    _tile_loadd(5, qt + 768, 64);
+  }
+  s.st.resize(static_cast<size_t>(blocks * kAmxScoreKeys * 16));
+  s.kg.resize(static_cast<size_t>(2 * kAmxScoreKeys * D));
+  for (int64_t b = 0; b < blocks; b += 2) {
+    int64_t s0 = 0, s1 = 0;
+    const bf16* k0 = amx_key_rows<D>(u, base + b * kAmxScoreKeys, end, s.kg.data(), s0);
+    const bf16* k1 = amx_key_rows<D>(u, base + (b + 1) * kAmxScoreKeys, end, s.kg.data() + kAmxScoreKeys * D, s1);
+    _tile_zero(0);
+    _tile_zero(6);
+    _tile_loadd(1, k0, s0);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_loadd(7, k1, s1);
+    _tile_dpbf16ps(6, 7, 2);
+    if constexpr (kChunks > 1) {
+      _tile_loadd(1, k0 + 32, s0);
+      _tile_dpbf16ps(0, 1, 3);
+      _tile_loadd(7, k1 + 32, s1);
+      _tile_dpbf16ps(6, 7, 3);
+    }
+    if constexpr (kChunks > 2) {
+      _tile_loadd(1, k0 + 64, s0);
+      _tile_dpbf16ps(0, 1, 4);
+      _tile_loadd(7, k1 + 64, s1);
+      _tile_dpbf16ps(6, 7, 4);
+      _tile_loadd(1, k0 + 96, s0);
+      _tile_dpbf16ps(0, 1, 5);
+      _tile_loadd(7, k1 + 96, s1);
+      _tile_dpbf16ps(6, 7, 5);
+    }
+    _tile_stored(0, s.st.data() + b * kAmxScoreKeys * 16, 64);
+    _tile_stored(6, s.st.data() + (b + 1) * kAmxScoreKeys * 16, 64);
+  }
+}
+
+// Lanes i < n of 16 (none for n <= 0).
+inline uint32_t lanes_below(int64_t n) { return n <= 0 ? 0u : n >= 16 ? 0xFFFFu : (1u << n) - 1; }
+
+// Column c of st (keys [0, padded) from `base`) as row c of e, then softmax numerators in place: e = exp(scale * s -
+// max) over the column's own keys, 0 elsewhere. Returns the row sums.
+ASCENT_AVX512 void amx_softmax_rows(const AmxAttnUnit& u, int64_t base, int64_t padded, float scale, const float* st,
+                                    float* e, float* total) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t c = 0; c < u.cols; ++c) {
+    float* row = e + c * padded;
+    for (int64_t j = 0; j < padded; ++j) row[j] = st[j * 16 + c];
+    const int64_t lo = u.start[c] - base, hi = u.len[c] - base;  // the column's keys [lo, hi) of the row
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = lo; j < hi; j += 16)
+      vmax = _mm512_max_ps(vmax, _mm512_mul_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(hi - j),
+                                                                    row + j), vscale));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 16) {
+      const __mmask16 keys = static_cast<__mmask16>(lanes_below(hi - j) & ~lanes_below(lo - j));
+      const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(keys, row + j), vscale), mx);
+      const __m512 v = _mm512_maskz_mov_ps(keys, exp512(_mm512_maskz_mov_ps(keys, x)));
+      _mm512_storeu_ps(row + j, v);
+      sum = _mm512_add_ps(sum, v);
+    }
+    total[c] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+// P tiles of every 32-key block from the rows of e: p[blk][0][c][k] = bf16(e), p[blk][1][c][k] = bf16(e - that).
+ASCENT_AVX512 void amx_fill_p(const AmxAttnUnit& u, const float* e, int64_t padded, AmxAttnScratch& s) {
+  const int64_t blocks = padded / kAmxValueKeys;
+  s.p.assign(static_cast<size_t>(blocks * 2 * 16 * kAmxValueKeys), 0);
+  for (int64_t c = 0; c < u.cols; ++c)
+    for (int64_t j = 0; j < padded; j += 16) {
+      const __m512 v = _mm512_loadu_ps(e + c * padded + j);
+      const __m256i hi = bf16_bits(v);
+      const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+      uint16_t* dst = s.p.data() + (j / kAmxValueKeys) * 2 * 16 * kAmxValueKeys + c * kAmxValueKeys + j % 32;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), hi);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * kAmxValueKeys), bf16_bits(_mm512_sub_ps(v, hf)));
+    }
+}
+
+// V B tiles of every 32-key block from `base`: vt[blk][db][r][c][t] = v_{base + 32 blk + 2r + t}[16 db + c] (keys at
+// or past `end` are zero rows). Written in one pass before the tile loads read them.
+template <int D>
+ASCENT_AVX512 void amx_fill_vt(const AmxAttnUnit& u, int64_t base, int64_t end, int64_t blocks, AmxAttnScratch& s) {
+  const __m512i even = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                        5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(16));
+  s.vt.resize(static_cast<size_t>(blocks * D / 16 * 512));
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    uint16_t* tiles = s.vt.data() + blk * D / 16 * 512;
+    for (int64_t r = 0; r < kAmxValueKeys / 2; ++r) {
+      const int64_t k0 = base + blk * kAmxValueKeys + 2 * r, k1 = k0 + 1;
+      const bf16* v0 = k0 < end ? u.vbase + u.slots[k0] * u.row_w : nullptr;
+      const bf16* v1 = k1 < end ? u.vbase + u.slots[k1] * u.row_w : nullptr;
+      for (int64_t db = 0; db < D / 16; db += 2) {  // one 32-dim chunk: output blocks db, db + 1
+        const __m512i a = v0 ? _mm512_loadu_si512(v0 + db * 16) : _mm512_setzero_si512();
+        const __m512i b = v1 ? _mm512_loadu_si512(v1 + db * 16) : _mm512_setzero_si512();
+        _mm512_storeu_si512(tiles + db * 512 + r * 32, _mm512_permutex2var_epi16(a, even, b));
+        _mm512_storeu_si512(tiles + (db + 1) * 512 + r * 32, _mm512_permutex2var_epi16(a, odd, b));
+      }
+    }
+  }
+}
+
+// Accumulator tile T += P . (V B tile `tile` in B = tmm2 / tmm3), hi and lo halves of P (tmm0, tmm1).
+#define ASCENT_AMX_PV_BLOCK(T, B, tile)   \
+  do {                                    \
+    _tile_loadd(B, (tile), 64);           \
+    _tile_dpbf16ps(T, 0, B);              \
+    _tile_dpbf16ps(T, 1, B);              \
+  } while (0)
+
+// O [16][d] = P . V over the value blocks; up to 4 output dim blocks (tmm4..7) per pass over the keys.
+template <int D>
+ASCENT_AMX_ATTENTION void amx_values(const AmxAttnUnit& u, int64_t base, int64_t end, int64_t blocks,
+                                     AmxAttnScratch& s) {
+  constexpr int64_t kBlocks = D / 16;
+  amx_fill_vt<D>(u, base, end, blocks, s);
+  s.o.resize(static_cast<size_t>(16 * D));
+  for (int64_t db0 = 0; db0 < kBlocks; db0 += 4) {
+    const int64_t nb = std::min<int64_t>(4, kBlocks - db0);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const uint16_t* pb = s.p.data() + blk * 2 * 16 * kAmxValueKeys;
+      const uint16_t* vb = s.vt.data() + (blk * kBlocks + db0) * 512;
+      _tile_loadd(0, pb, 64);
+      _tile_loadd(1, pb + 16 * kAmxValueKeys, 64);
+      ASCENT_AMX_PV_BLOCK(4, 2, vb);
+      ASCENT_AMX_PV_BLOCK(5, 3, vb + 512);
+      if (nb > 2) {
+        ASCENT_AMX_PV_BLOCK(6, 2, vb + 1024);
+        ASCENT_AMX_PV_BLOCK(7, 3, vb + 1536);
+      }
+    }
+    float* o = s.o.data() + db0 * 16;
+    _tile_stored(4, o, D * 4);
+    _tile_stored(5, o + 16, D * 4);
+    if (nb > 2) {
+      _tile_stored(6, o + 32, D * 4);
+      _tile_stored(7, o + 48, D * 4);
+    }
+  }
+}
+
+// One unit (tiles configured by the caller: all eight 16 rows x 64 bytes).
+template <int D>
+ASCENT_AMX_ATTENTION void amx_attend_unit(const AmxAttnUnit& u, float scale, AmxAttnScratch& s) {
+  int64_t lo = u.start[0], end = u.len[0];
+  for (int64_t c = 1; c < u.cols; ++c) {
+    lo = std::min<int64_t>(lo, u.start[c]);
+    end = std::max<int64_t>(end, u.len[c]);
+  }
+  const int64_t base = lo & ~(kAmxScoreKeys - 1);  // page-aligned score tiles
+  const int64_t value_blocks = (end - base + kAmxValueKeys - 1) / kAmxValueKeys;
+  const int64_t padded = value_blocks * kAmxValueKeys;
+  amx_fill_qt<D>(u, s);
+  amx_scores<D>(u, base, end, padded / kAmxScoreKeys, s);
+  float total[kAmxCols];
+  s.e.resize(static_cast<size_t>(u.cols * padded));
+  amx_softmax_rows(u, base, padded, scale, s.st.data(), s.e.data(), total);
+  amx_fill_p(u, s.e.data(), padded, s);
+  amx_values<D>(u, base, end, value_blocks, s);
+  for (int64_t c = 0; c < u.cols; ++c) {
+    const __m512 inv = _mm512_set1_ps(1.f / total[c]);
+    for (int64_t i = 0; i < D; i += 16)
+      bf16_store(u.out[c] + i, _mm512_mul_ps(_mm512_loadu_ps(s.o.data() + c * D + i), inv), 0xFFFF);
+  }
+}
+
+using AmxAttendFn = void (*)(const AmxAttnUnit&, float, AmxAttnScratch&);
+
+AmxAttendFn amx_attend_for(int64_t d) {
+  switch (d) {
+    case 32: return amx_attend_unit<32>;
+    case 64: return amx_attend_unit<64>;
+    default: return amx_attend_unit<128>;
+  }
+}
+
+// Runs of consecutive rows [begin, end) that share their keys: each row's slots agree with the next row's over its
+// own length and lengths do not decrease (a verification step's rows of one request), at most max_rows rows.
+std::vector<std::pair<int64_t, int64_t>> shared_key_runs(const int64_t* slots, const int64_t* lens, int64_t n,
+                                                         int64_t L, int64_t max_rows) {
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!runs.empty()) {
+      auto& last = runs.back();
+      if (last.second - last.first < max_rows && lens[i] >= lens[i - 1] &&
+          std::memcmp(slots + (i - 1) * L, slots + i * L, static_cast<size_t>(lens[i - 1]) * 8) == 0) {
+        last.second = i + 1;
+        continue;
+      }
+    }
+    runs.emplace_back(i, i + 1);
+  }
+  return runs;
+}
+
+// Units [begin, stop) of amx_decode_attention on the calling thread (configures and releases the tiles).
+struct AmxAttnCall {
+  const bf16* qp;
+  int64_t qs;
+  const bf16* kbase;
+  const bf16* vbase;
+  const int64_t* sp;
+  int64_t L;
+  const int64_t* lens;
+  int64_t num_heads, kv_heads, d, window;
+  float scale;
+  bf16* op;
+  AttendFn single;  // the kernel for runs of one row (faster there: a unit of `group` columns is latency-bound)
+};
+
+ASCENT_AMX_ATTENTION void amx_attention_units(const AmxAttnCall& a, const std::vector<std::pair<int64_t, int64_t>>& runs,
+                                              int64_t begin, int64_t stop) {
+  const int64_t group = a.num_heads / a.kv_heads;
+  const AmxAttendFn attend = amx_attend_for(a.d);
+  const ascent_tiles::TileConfig cfg = ascent_tiles::tile_config({16, 16, 16, 16, 16, 16, 16, 16});
+  _tile_loadconfig(&cfg);
+  AmxAttnScratch s;
+  std::vector<float> buf;
+  for (int64_t w = begin; w < stop; ++w) {
+    const auto [r0, r1] = runs[w / a.kv_heads];
+    const int64_t h = w % a.kv_heads;
+    if (r1 - r0 == 1) {
+      const int64_t start = a.window > 0 ? std::max<int64_t>(0, a.lens[r0] - a.window) : 0;
+      a.single(a.qp + r0 * a.qs + h * group * a.d, a.kbase + h * a.d, a.vbase + h * a.d, a.sp + r0 * a.L, start,
+               a.lens[r0], group, a.d, a.kv_heads * a.d, a.scale, a.op + r0 * a.num_heads * a.d + h * group * a.d, buf);
+      continue;
+    }
+    AmxAttnUnit u{};
+    u.cols = (r1 - r0) * group;
+    for (int64_t c = 0; c < kAmxCols; ++c) {  // unused lanes: no keys
+      u.start[c] = INT32_MAX;
+      u.len[c] = 0;
+    }
+    for (int64_t t = 0; t < r1 - r0; ++t) {
+      const int64_t i = r0 + t;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t c = t * group + g, head = h * group + g;
+        u.q[c] = a.qp + i * a.qs + head * a.d;
+        u.out[c] = a.op + i * a.num_heads * a.d + head * a.d;
+        u.len[c] = static_cast<int32_t>(a.lens[i]);
+        u.start[c] = static_cast<int32_t>(a.window > 0 ? std::max<int64_t>(0, a.lens[i] - a.window) : 0);
+      }
+    }
+    u.slots = a.sp + (r1 - 1) * a.L;
+    u.kbase = a.kbase + h * a.d;
+    u.vbase = a.vbase + h * a.d;
+    u.row_w = a.kv_heads * a.d;
+    attend(u, a.scale, s);
+  }
+  _tile_release();
+}
+
+// paged_decode_attention's bf16 work when some rows share their keys: rows grouped into shared-key runs of up to
+// 16 / group rows, one unit per (run, KV head) on AMX (runs of one row on a.single), units split over torch's
+// intra-op threads. Returns false (nothing done) when every run is a single row.
+bool amx_decode_attention(const AmxAttnCall& a, int64_t n) {
+  const auto runs = shared_key_runs(a.sp, a.lens, n, a.L, kAmxCols / (a.num_heads / a.kv_heads));
+  if (static_cast<int64_t>(runs.size()) == n) return false;
+  at::parallel_for(0, static_cast<int64_t>(runs.size()) * a.kv_heads, 1,
+                   [&](int64_t begin, int64_t stop) { amx_attention_units(a, runs, begin, stop); });
+  return true;
+}
