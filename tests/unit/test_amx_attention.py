@@ -86,12 +86,14 @@ def test_shared_key_rows_match_sdpa_and_the_avx512_kernel(ops, d, heads, kv_head
     got = ops.paged_decode_attention(q, cache, slots, lens, heads, scale, window)
     want = _reference(q, cache, slots, lens, heads, scale, window)
     torch.testing.assert_close(got.float(), want.float(), atol=ATOL, rtol=ATOL)
-    previous = ops.set_amx_attention(0)
-    try:
-        avx = ops.paged_decode_attention(q, cache, slots, lens, heads, scale, window)
-    finally:
-        ops.set_amx_attention(previous)
-    torch.testing.assert_close(got.float(), avx.float(), atol=ATOL, rtol=ATOL)
+    for mode in (0, 2):  # the AVX512 kernels only; AMX for one-row runs too
+        previous = ops.set_amx_attention(mode)
+        try:
+            other = ops.paged_decode_attention(q, cache, slots, lens, heads, scale, window)
+        finally:
+            ops.set_amx_attention(previous)
+        torch.testing.assert_close(got.float(), other.float(), atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(other.float(), want.float(), atol=ATOL, rtol=ATOL)
 
 
 def test_a_row_gets_the_same_output_in_any_run(ops):

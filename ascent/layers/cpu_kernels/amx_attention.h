@@ -23,7 +23,8 @@
 constexpr int64_t kAmxCols = 16;      // query rows per unit (columns of S^T)
 constexpr int64_t kAmxScoreKeys = 16;  // keys per score tile
 constexpr int64_t kAmxValueKeys = 32;  // keys per P.V step
-int g_amx_attention = 1;               // tests: 0 = the AVX512 kernels only
+constexpr int64_t kAmxValuePrefetch = 32;  // value rows prefetched this many keys ahead
+int g_amx_attention = 1;               // 0 = the AVX512 kernels only, 2 = AMX for one-row runs too
 
 // One unit's operands: column c's query row q[c] (d elements), output row out[c], keys [start[c], len[c]).
 struct AmxAttnUnit {
@@ -106,7 +107,12 @@ ASCENT_AMX_ATTENTION void amx_scores(const AmxAttnUnit& u, int64_t base, int64_t
   }
   s.st.resize(static_cast<size_t>(blocks * kAmxScoreKeys * 16));
   s.kg.resize(static_cast<size_t>(2 * kAmxScoreKeys * D));
+  const int64_t last = std::min<int64_t>(end, base + blocks * kAmxScoreKeys);
+  for (int64_t j = base; j < std::min<int64_t>(last, base + 2 * kAmxScoreKeys); ++j)
+    prefetch_row(u.kbase + u.slots[j] * u.row_w, D);
   for (int64_t b = 0; b < blocks; b += 2) {
+    for (int64_t j = base + (b + 2) * kAmxScoreKeys; j < std::min<int64_t>(last, base + (b + 4) * kAmxScoreKeys); ++j)
+      prefetch_row(u.kbase + u.slots[j] * u.row_w, D);  // the next pair of tiles' rows: misses in flight
     int64_t s0 = 0, s1 = 0;
     const bf16* k0 = amx_key_rows<D>(u, base + b * kAmxScoreKeys, end, s.kg.data(), s0);
     const bf16* k1 = amx_key_rows<D>(u, base + (b + 1) * kAmxScoreKeys, end, s.kg.data() + kAmxScoreKeys * D, s1);
@@ -193,6 +199,8 @@ ASCENT_AVX512 void amx_fill_vt(const AmxAttnUnit& u, int64_t base, int64_t end, 
     uint16_t* tiles = s.vt.data() + blk * D / 16 * 512;
     for (int64_t r = 0; r < kAmxValueKeys / 2; ++r) {
       const int64_t k0 = base + blk * kAmxValueKeys + 2 * r, k1 = k0 + 1;
+      for (int64_t k = k0 + kAmxValuePrefetch; k < std::min(end, k0 + kAmxValuePrefetch + 2); ++k)
+        prefetch_row(u.vbase + u.slots[k] * u.row_w, D);
       const bf16* v0 = k0 < end ? u.vbase + u.slots[k0] * u.row_w : nullptr;
       const bf16* v1 = k1 < end ? u.vbase + u.slots[k1] * u.row_w : nullptr;
       for (int64_t db = 0; db < D / 16; db += 2) {  // one 32-dim chunk: output blocks db, db + 1
@@ -328,7 +336,7 @@ ASCENT_AMX_ATTENTION void amx_attention_units(const AmxAttnCall& a, const std::v
   for (int64_t w = begin; w < stop; ++w) {
     const auto [r0, r1] = runs[w / a.kv_heads];
     const int64_t h = w % a.kv_heads;
-    if (r1 - r0 == 1) {
+    if (r1 - r0 == 1 && g_amx_attention != 2) {
       const int64_t start = a.window > 0 ? std::max<int64_t>(0, a.lens[r0] - a.window) : 0;
       a.single(a.qp + r0 * a.qs + h * group * a.d, a.kbase + h * a.d, a.vbase + h * a.d, a.sp + r0 * a.L, start,
                a.lens[r0], group, a.d, a.kv_heads * a.d, a.scale, a.op + r0 * a.num_heads * a.d + h * group * a.d, buf);
@@ -364,7 +372,7 @@ ASCENT_AMX_ATTENTION void amx_attention_units(const AmxAttnCall& a, const std::v
 // intra-op threads. Returns false (nothing done) when every run is a single row.
 bool amx_decode_attention(const AmxAttnCall& a, int64_t n) {
   const auto runs = shared_key_runs(a.sp, a.lens, n, a.L, kAmxCols / (a.num_heads / a.kv_heads));
-  if (static_cast<int64_t>(runs.size()) == n) return false;
+  if (static_cast<int64_t>(runs.size()) == n && g_amx_attention != 2) return false;
   at::parallel_for(0, static_cast<int64_t>(runs.size()) * a.kv_heads, 1,
                    [&](int64_t begin, int64_t stop) { amx_attention_units(a, runs, begin, stop); });
   return true;

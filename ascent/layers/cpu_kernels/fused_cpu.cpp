@@ -333,7 +333,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 int64_t set_amx_attention(int64_t on) {
   const int64_t previous = g_amx_attention;
-  g_amx_attention = on != 0;
+  g_amx_attention = static_cast<int>(std::clamp<int64_t>(on, 0, 2));
   return previous;
 }
 
@@ -348,7 +348,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged_decode_attention(q [n, heads*d], kv_cache [2,S,kvh,d], slots [n,L], seq_lens [n], heads, scale, window)");
   m.def("silu_and_mul", &silu_and_mul, "silu_and_mul(x [T, 2d]) -> [T, d]");
-  m.def("set_amx_attention", &set_amx_attention, "set_amx_attention(1|0) -> previous (tests: 0 = AVX512 kernels)");
+  m.def("set_amx_attention", &set_amx_attention, "set_amx_attention(0|1|2) -> previous (0: AVX512 kernels only, 1: AMX for shared-key runs, 2: AMX for every row)");
   m.def("amx_attention_available", &amx_attention_available, "amx_attention_available(d, group) -> bool");
 }
 #endif
