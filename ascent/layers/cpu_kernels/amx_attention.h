@@ -2,20 +2,24 @@
 // anonymous namespace, after avx512_bf16.h and amx_tiles.h.
 //
 // On this project's Xeon a VDPBF16PS costs as much as four fp32 FMAs (2 cycles each), and the AVX512 kernels
-// (avx512_attention.h) spend ~20 cycles per (query row, head, key). One TDPBF16PS multiplies a 16 x 32 bf16 tile by
-// a 32 x 16 one, so here a unit takes up to 16 query rows that share their keys: the `group` query heads of one KV
-// head, for each of T consecutive token rows of one request (a speculative verification step expands a request into
-// rows with lengths len, len + 1, ...; a plain decode row is T = 1). Per unit:
+// (avx512_attention.h) spend ~20 cycles per (query row, head, key); one TDPBF16PS (a 16 x 32 by 32 x 16 bf16 tile
+// product, ~5 ns here whatever the rows used) does 8192 multiply-adds. A unit takes up to 16 query rows that share
+// their keys: the `group` query heads of one KV head, for each of T consecutive token rows of one request (a
+// speculative verification step expands a request into rows with lengths len, len + 1, ...; a plain decode row is
+// T = 1). Per unit:
 //   scores: S^T [keys x cols] = K . Q^T, 16 keys per tile: the A tile is 16 cache rows straight from the paged cache
 //           (slots of a 16-key block consecutive: one strided tile load; otherwise gathered), the B tiles Q^T in the
 //           VNNI layout (built once per unit);
-//   softmax: per column (lane c of each key's 16-lane row) over the column's own keys [start_c, len_c), fp32;
+//   softmax: S^T transposed to rows in registers (16 x 16 blocks), fp32 softmax numerators per row over the row's own
+//           keys [start_c, len_c);
 //   values: O [cols x d] = P . V, 32 keys per step: P as two bf16 tiles (hi = bf16(p), lo = bf16(p - hi), so p is
 //           carried to ~16 bits), V pairs of rows interleaved into VNNI B tiles; fp32 accumulation in tiles, divided by
-//           the column's sum at the end.
-// Each column's result depends only on its own query, keys and values (masked keys contribute exact zeros), so a row
-// gets the same output whichever unit it is computed in. Products are exact and sums fp32 as in the other kernels;
-// only the order of the sums and p's 16-bit rounding differ (tests compare with SDPA and with the AVX512 kernel).
+//           the row's sum at the end.
+// Each column's result depends only on its own query, keys and values (masked keys contribute exact zeros), so
+// without a sliding window a row gets bit-identical output in any unit: verification and plain decode agree. Products
+// are exact and sums fp32 as in the other kernels; only the order of the sums and p's 16-bit rounding differ (tests
+// compare with SDPA and with the AVX512 kernel). Measured (SmolLM2 shapes, 150 keys, 1 layer, 2 threads): 16 rows
+// 68 -> 65 us, 32 rows 146 -> 137 us, 16 requests x 4 verification rows 268 -> 103 us.
 #pragma once
 
 #define ASCENT_AMX_ATTENTION __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-bf16")))
@@ -23,8 +27,7 @@
 constexpr int64_t kAmxCols = 16;      // query rows per unit (columns of S^T)
 constexpr int64_t kAmxScoreKeys = 16;  // keys per score tile
 constexpr int64_t kAmxValueKeys = 32;  // keys per P.V step
-constexpr int64_t kAmxValuePrefetch = 32;  // value rows prefetched this many keys ahead
-int g_amx_attention = 1;               // 0 = the AVX512 kernels only, 2 = AMX for one-row runs too
+int g_amx_attention = 1;               // tests: 0 = the AVX512 kernels only
 
 // One unit's operands: column c's query row q[c] (d elements), output row out[c], keys [start[c], len[c]).
 struct AmxAttnUnit {
@@ -39,15 +42,32 @@ struct AmxAttnUnit {
   int64_t row_w;         // elements per cache slot
 };
 
+// Cache-line aligned storage: 64-byte vector stores and tile rows then never split across lines.
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+template <typename T>
+using AlignedVector = std::vector<T, LineAligned<T>>;
+
 // Per-thread buffers (uint16 = bf16 bits).
 struct AmxAttnScratch {
-  std::vector<uint32_t> qt;  // Q^T B tiles [d / 32][16 pairs][16 cols] (bf16 pairs)
-  std::vector<uint16_t> kg;  // gathered K rows of two score tiles [2][16][d]
-  std::vector<float> st;     // S^T [keys][16]
-  std::vector<float> e;      // softmax numerators [cols][keys]
-  std::vector<uint16_t> p;   // P tiles per 32-key block: [blocks][hi, lo][16 cols][32 keys]
-  std::vector<uint16_t> vt;  // V B tiles [32-key blocks][d / 16][16 pairs][16 dims][2]
-  std::vector<float> o;      // O [16][d]
+  AlignedVector<uint32_t> qt;  // Q^T B tiles [d / 32][16 pairs][16 cols] (bf16 pairs)
+  AlignedVector<uint16_t> kg;  // gathered K rows of two score tiles [2][16][d]
+  AlignedVector<float> st;     // S^T [keys][16]
+  AlignedVector<float> e;      // softmax numerators [cols][keys]
+  AlignedVector<uint16_t> p;   // P tiles per 32-key block: [blocks][hi, lo][16 cols][32 keys]
+  AlignedVector<uint16_t> vt;  // V B tiles [32-key blocks][d / 16][16 pairs][16 dims][2]
+  AlignedVector<float> o;      // O [16][d]
 };
 
 bool amx_attention_applies(int64_t d, int64_t group) {
@@ -111,8 +131,10 @@ ASCENT_AMX_ATTENTION void amx_scores(const AmxAttnUnit& u, int64_t base, int64_t
   for (int64_t j = base; j < std::min<int64_t>(last, base + 2 * kAmxScoreKeys); ++j)
     prefetch_row(u.kbase + u.slots[j] * u.row_w, D);
   for (int64_t b = 0; b < blocks; b += 2) {
+    // the next pair of tiles' key rows (misses in flight), and this pair's value rows for amx_fill_vt
     for (int64_t j = base + (b + 2) * kAmxScoreKeys; j < std::min<int64_t>(last, base + (b + 4) * kAmxScoreKeys); ++j)
-      prefetch_row(u.kbase + u.slots[j] * u.row_w, D);  // the next pair of tiles' rows: misses in flight
+      prefetch_row(u.kbase + u.slots[j] * u.row_w, D);
+
     int64_t s0 = 0, s1 = 0;
     const bf16* k0 = amx_key_rows<D>(u, base + b * kAmxScoreKeys, end, s.kg.data(), s0);
     const bf16* k1 = amx_key_rows<D>(u, base + (b + 1) * kAmxScoreKeys, end, s.kg.data() + kAmxScoreKeys * D, s1);
@@ -146,14 +168,43 @@ ASCENT_AMX_ATTENTION void amx_scores(const AmxAttnUnit& u, int64_t base, int64_t
 // Lanes i < n of 16 (none for n <= 0).
 inline uint32_t lanes_below(int64_t n) { return n <= 0 ? 0u : n >= 16 ? 0xFFFFu : (1u << n) - 1; }
 
+// dst[c * ld + r] = src[r * 16 + c] for r < 16, c < cols: a 16 x 16 fp32 block transposed in registers (rows
+// stored for the first `cols` columns only).
+ASCENT_AVX512 void transpose16(const float* src, int64_t cols, float* dst, int64_t ld) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: rows 2i, 2i + 1 of columns 4L .. 4L + 3, interleaved
+    const __m512 a = _mm512_loadu_ps(src + 2 * i * 16), b = _mm512_loadu_ps(src + (2 * i + 1) * 16);
+    t[2 * i] = _mm512_unpacklo_ps(a, b);
+    t[2 * i + 1] = _mm512_unpackhi_ps(a, b);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + g] lane L: rows 4i .. 4i + 3 of column 4L + g
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int g = 0; g < 4; ++g) {  // columns g, 4 + g, 8 + g, 12 + g: a 4 x 4 transpose of 128-bit lanes
+    const __m512 v0 = _mm512_shuffle_f32x4(u[g], u[4 + g], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 v1 = _mm512_shuffle_f32x4(u[g], u[4 + g], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + g], u[12 + g], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + g], u[12 + g], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512 out[4] = {_mm512_shuffle_f32x4(v0, v2, _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(v1, v3, _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(v0, v2, _MM_SHUFFLE(3, 1, 3, 1)),
+                           _mm512_shuffle_f32x4(v1, v3, _MM_SHUFFLE(3, 1, 3, 1))};
+    for (int q = 0; q < 4; ++q)
+      if (4 * q + g < cols) _mm512_storeu_ps(dst + (4 * q + g) * ld, out[q]);
+  }
+}
+
 // Column c of st (keys [0, padded) from `base`) as row c of e, then softmax numerators in place: e = exp(scale * s -
 // max) over the column's own keys, 0 elsewhere. Returns the row sums.
 ASCENT_AVX512 void amx_softmax_rows(const AmxAttnUnit& u, int64_t base, int64_t padded, float scale, const float* st,
                                     float* e, float* total) {
+  for (int64_t j = 0; j < padded; j += 16) transpose16(st + j * 16, u.cols, e + j, padded);
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t c = 0; c < u.cols; ++c) {
     float* row = e + c * padded;
-    for (int64_t j = 0; j < padded; ++j) row[j] = st[j * 16 + c];
     const int64_t lo = u.start[c] - base, hi = u.len[c] - base;  // the column's keys [lo, hi) of the row
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t j = lo; j < hi; j += 16)
@@ -199,8 +250,6 @@ ASCENT_AVX512 void amx_fill_vt(const AmxAttnUnit& u, int64_t base, int64_t end, 
     uint16_t* tiles = s.vt.data() + blk * D / 16 * 512;
     for (int64_t r = 0; r < kAmxValueKeys / 2; ++r) {
       const int64_t k0 = base + blk * kAmxValueKeys + 2 * r, k1 = k0 + 1;
-      for (int64_t k = k0 + kAmxValuePrefetch; k < std::min(end, k0 + kAmxValuePrefetch + 2); ++k)
-        prefetch_row(u.vbase + u.slots[k] * u.row_w, D);
       const bf16* v0 = k0 < end ? u.vbase + u.slots[k0] * u.row_w : nullptr;
       const bf16* v1 = k1 < end ? u.vbase + u.slots[k1] * u.row_w : nullptr;
       for (int64_t db = 0; db < D / 16; db += 2) {  // one 32-dim chunk: output blocks db, db + 1
@@ -213,20 +262,22 @@ ASCENT_AVX512 void amx_fill_vt(const AmxAttnUnit& u, int64_t base, int64_t end, 
   }
 }
 
-// Accumulator tile T += P . (V B tile `tile` in B = tmm2 / tmm3), hi and lo halves of P (tmm0, tmm1).
-#define ASCENT_AMX_PV_BLOCK(T, B, tile)   \
-  do {                                    \
-    _tile_loadd(B, (tile), 64);           \
-    _tile_dpbf16ps(T, 0, B);              \
-    _tile_dpbf16ps(T, 1, B);              \
+// Accumulators T0 / T1 += P . (V B tiles at b0 / b1 in tmm2 / tmm3): the hi halves of P (tmm0) first, then the lo
+// halves (tmm1), so the two products into one accumulator are not back to back.
+#define ASCENT_AMX_PV_PAIR(T0, T1, b0, b1)  \
+  do {                                      \
+    _tile_loadd(2, (b0), 64);               \
+    _tile_dpbf16ps(T0, 0, 2);               \
+    _tile_loadd(3, (b1), 64);               \
+    _tile_dpbf16ps(T1, 0, 3);               \
+    _tile_dpbf16ps(T0, 1, 2);               \
+    _tile_dpbf16ps(T1, 1, 3);               \
   } while (0)
 
-// O [16][d] = P . V over the value blocks; up to 4 output dim blocks (tmm4..7) per pass over the keys.
+// O [16][d] = P . V over the value blocks (P and V tiles filled); up to 4 output dim blocks (tmm4..7) per pass.
 template <int D>
-ASCENT_AMX_ATTENTION void amx_values(const AmxAttnUnit& u, int64_t base, int64_t end, int64_t blocks,
-                                     AmxAttnScratch& s) {
+ASCENT_AMX_ATTENTION void amx_values(int64_t blocks, AmxAttnScratch& s) {
   constexpr int64_t kBlocks = D / 16;
-  amx_fill_vt<D>(u, base, end, blocks, s);
   s.o.resize(static_cast<size_t>(16 * D));
   for (int64_t db0 = 0; db0 < kBlocks; db0 += 4) {
     const int64_t nb = std::min<int64_t>(4, kBlocks - db0);
@@ -239,12 +290,8 @@ ASCENT_AMX_ATTENTION void amx_values(const AmxAttnUnit& u, int64_t base, int64_t
       const uint16_t* vb = s.vt.data() + (blk * kBlocks + db0) * 512;
       _tile_loadd(0, pb, 64);
       _tile_loadd(1, pb + 16 * kAmxValueKeys, 64);
-      ASCENT_AMX_PV_BLOCK(4, 2, vb);
-      ASCENT_AMX_PV_BLOCK(5, 3, vb + 512);
-      if (nb > 2) {
-        ASCENT_AMX_PV_BLOCK(6, 2, vb + 1024);
-        ASCENT_AMX_PV_BLOCK(7, 3, vb + 1536);
-      }
+      ASCENT_AMX_PV_PAIR(4, 5, vb, vb + 512);
+      if (nb > 2) ASCENT_AMX_PV_PAIR(6, 7, vb + 1024, vb + 1536);
     }
     float* o = s.o.data() + db0 * 16;
     _tile_stored(4, o, D * 4);
@@ -273,7 +320,8 @@ ASCENT_AMX_ATTENTION void amx_attend_unit(const AmxAttnUnit& u, float scale, Amx
   s.e.resize(static_cast<size_t>(u.cols * padded));
   amx_softmax_rows(u, base, padded, scale, s.st.data(), s.e.data(), total);
   amx_fill_p(u, s.e.data(), padded, s);
-  amx_values<D>(u, base, end, value_blocks, s);
+  amx_fill_vt<D>(u, base, end, value_blocks, s);
+  amx_values<D>(value_blocks, s);
   for (int64_t c = 0; c < u.cols; ++c) {
     const __m512 inv = _mm512_set1_ps(1.f / total[c]);
     for (int64_t i = 0; i < D; i += 16)
@@ -322,7 +370,6 @@ struct AmxAttnCall {
   int64_t num_heads, kv_heads, d, window;
   float scale;
   bf16* op;
-  AttendFn single;  // the kernel for runs of one row (faster there: a unit of `group` columns is latency-bound)
 };
 
 ASCENT_AMX_ATTENTION void amx_attention_units(const AmxAttnCall& a, const std::vector<std::pair<int64_t, int64_t>>& runs,
@@ -332,16 +379,9 @@ ASCENT_AMX_ATTENTION void amx_attention_units(const AmxAttnCall& a, const std::v
   const ascent_tiles::TileConfig cfg = ascent_tiles::tile_config({16, 16, 16, 16, 16, 16, 16, 16});
   _tile_loadconfig(&cfg);
   AmxAttnScratch s;
-  std::vector<float> buf;
   for (int64_t w = begin; w < stop; ++w) {
     const auto [r0, r1] = runs[w / a.kv_heads];
     const int64_t h = w % a.kv_heads;
-    if (r1 - r0 == 1 && g_amx_attention != 2) {
-      const int64_t start = a.window > 0 ? std::max<int64_t>(0, a.lens[r0] - a.window) : 0;
-      a.single(a.qp + r0 * a.qs + h * group * a.d, a.kbase + h * a.d, a.vbase + h * a.d, a.sp + r0 * a.L, start,
-               a.lens[r0], group, a.d, a.kv_heads * a.d, a.scale, a.op + r0 * a.num_heads * a.d + h * group * a.d, buf);
-      continue;
-    }
     AmxAttnUnit u{};
     u.cols = (r1 - r0) * group;
     for (int64_t c = 0; c < kAmxCols; ++c) {  // unused lanes: no keys
@@ -367,13 +407,10 @@ ASCENT_AMX_ATTENTION void amx_attention_units(const AmxAttnCall& a, const std::v
   _tile_release();
 }
 
-// paged_decode_attention's bf16 work when some rows share their keys: rows grouped into shared-key runs of up to
-// 16 / group rows, one unit per (run, KV head) on AMX (runs of one row on a.single), units split over torch's
-// intra-op threads. Returns false (nothing done) when every run is a single row.
-bool amx_decode_attention(const AmxAttnCall& a, int64_t n) {
+// paged_decode_attention's bf16 work: rows grouped into shared-key runs of up to 16 / group rows, one unit per
+// (run, KV head), units split over torch's intra-op threads.
+void amx_decode_attention(const AmxAttnCall& a, int64_t n) {
   const auto runs = shared_key_runs(a.sp, a.lens, n, a.L, kAmxCols / (a.num_heads / a.kv_heads));
-  if (static_cast<int64_t>(runs.size()) == n && g_amx_attention != 2) return false;
   at::parallel_for(0, static_cast<int64_t>(runs.size()) * a.kv_heads, 1,
                    [&](int64_t begin, int64_t stop) { amx_attention_units(a, runs, begin, stop); });
-  return true;
 }

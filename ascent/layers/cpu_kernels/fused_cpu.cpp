@@ -295,12 +295,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   }
   auto out = at::empty({n, num_heads * d}, q.options());
   if (q.scalar_type() == at::kBFloat16 && amx_attention_applies(d, group)) {
-    AttendFn single = attend_grouped_for(d, group);
-    if (single == nullptr) single = attend_avx512_for(d);
     const bf16* kb = kv_cache.data_ptr<bf16>();
-    if (amx_decode_attention({q.data_ptr<bf16>(), q.stride(0), kb, kb + num_slots * row_w, sp, L, lens, num_heads,
-                              kv_heads, d, window, static_cast<float>(scale), out.data_ptr<bf16>(), single}, n))
-      return out;
+    amx_decode_attention({q.data_ptr<bf16>(), q.stride(0), kb, kb + num_slots * row_w, sp, L, lens, num_heads,
+                          kv_heads, d, window, static_cast<float>(scale), out.data_ptr<bf16>()}, n);
+    return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -333,7 +331,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 int64_t set_amx_attention(int64_t on) {
   const int64_t previous = g_amx_attention;
-  g_amx_attention = static_cast<int>(std::clamp<int64_t>(on, 0, 2));
+  g_amx_attention = on != 0;
   return previous;
 }
 
@@ -348,7 +346,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged_decode_attention(q [n, heads*d], kv_cache [2,S,kvh,d], slots [n,L], seq_lens [n], heads, scale, window)");
   m.def("silu_and_mul", &silu_and_mul, "silu_and_mul(x [T, 2d]) -> [T, d]");
-  m.def("set_amx_attention", &set_amx_attention, "set_amx_attention(0|1|2) -> previous (0: AVX512 kernels only, 1: AMX for shared-key runs, 2: AMX for every row)");
+  m.def("set_amx_attention", &set_amx_attention, "set_amx_attention(1|0) -> previous (tests: 0 = the AVX512 kernels)");
   m.def("amx_attention_available", &amx_attention_available, "amx_attention_available(d, group) -> bool");
 }
 #endif
