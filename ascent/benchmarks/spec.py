@@ -3,6 +3,9 @@
 Workloads (:mod:`ascent.benchmarks.spec_workloads`): ``repetitive`` (code edits, re-asked structured answers, "repeat
 this paragraph": greedy output copies the input) and ``non_repetitive`` (varied questions).
 
+Draft length k: ``--num-speculative-tokens``, else each method's default: suffix decoding's engine default (the tree
+depth, 24, as in vLLM; each request's draft is bounded by its match length) and 3 for the others.
+
 Methods: the model-free ``ngram`` and ``suffix``, and ``draft_model`` drafting with the target truncated to its first
 ``--draft-num-layers`` layers (the ``draft_num_layers`` extension key: no second checkpoint needed, weights shared).
 ``name+dynamic`` runs a method with ``dynamic: true`` and ``--dynamic-params`` (per-request draft lengths from
@@ -47,6 +50,7 @@ __all__ = ["non_repetitive_conversations", "repetitive_conversations", "run_spec
 WARMUP_PROMPTS = 2
 WARMUP_TOKENS = 8
 NO_SPEC = "none"
+DEFAULT_K = 3  # draft length of methods whose engine config requires one, unless --num-speculative-tokens
 BENCH_METHODS = ("ngram", "suffix", "draft_model")
 VARIANTS = ("", "dynamic")
 UNSUPPORTED = {"eagle": "trained EAGLE heads", "eagle3": "trained EAGLE-3 heads", "medusa": "trained Medusa heads",
@@ -160,10 +164,23 @@ def parse_dynamic_params(text: str | None) -> dict[str, Any]:
     return params
 
 
+def method_k(args: argparse.Namespace, method: str) -> int:
+    """Draft length k of ``method``: ``--num-speculative-tokens`` when given, else the engine's default for suffix
+    decoding (its tree depth, as vLLM: per-request drafts are bounded by the match length) and
+    :data:`DEFAULT_K` for the methods whose engine config requires k."""
+    if args.num_speculative_tokens is not None:
+        return int(args.num_speculative_tokens)
+    if method.partition("+")[0] == "suffix":
+        from ascent.spec_decode.base import SpeculativeConfig
+
+        return SpeculativeConfig.from_json({"method": "suffix"}).num_speculative_tokens
+    return DEFAULT_K
+
+
 def speculative_config(args: argparse.Namespace, method: str) -> dict[str, Any]:
     """The ``speculative_config`` dict of ``method`` (``base`` or ``base+dynamic``) from the bench flags."""
     base, _, variant = method.partition("+")
-    config: dict[str, Any] = {"method": base, "num_speculative_tokens": args.num_speculative_tokens}
+    config: dict[str, Any] = {"method": base, "num_speculative_tokens": method_k(args, method)}
     if base == "ngram":
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             if getattr(args, name, None) is not None:
@@ -217,7 +234,7 @@ def parse_methods(text: str) -> list[str]:
 
 def _validate(args: argparse.Namespace) -> None:
     for name in ("num_prompts", "output_len", "num_speculative_tokens", "rounds"):
-        if getattr(args, name, 1) < 1:
+        if (getattr(args, name, 1) or 1) < 1:
             raise ValueError(f"{name}={getattr(args, name)!r} must be at least 1")
 
 
@@ -290,7 +307,7 @@ def run_spec(args: argparse.Namespace) -> dict[str, Any]:
     warmup_sets = build_workloads(tokenizer, WARMUP_PROMPTS, WARMUP_TOKENS, args.seed + 10_000)
     warmup = [r for name in WORKLOADS for r in warmup_sets[name]]
     longest = max(r.input_len for reqs in (*(w for rd in rounds for w in rd.values()), warmup) for r in reqs)
-    max_model_len = longest + args.output_len + args.num_speculative_tokens + 1
+    max_model_len = longest + args.output_len + max(method_k(args, m) for m in methods) + 1
     configs = {NO_SPEC: None, **{m: speculative_config(args, m) for m in methods}}
     engines, startup = build_engines(args, max_model_len, configs, warmup)
     try:
@@ -350,18 +367,19 @@ def assemble_result(args: argparse.Namespace, model_config: Any, methods: list[s
                     rounds: list[dict[str, list[BenchRequest]]], measured: list[dict[str, dict[str, Any]]],
                     startup: dict[str, dict[str, Any]], threads: int) -> dict[str, Any]:
     """The result JSON from the measured rounds."""
-    k = args.num_speculative_tokens
+    ks = {m: method_k(args, m) for m in methods}
     workloads = {}
     for work in WORKLOADS:
         requests = [r for rd in rounds for r in rd[work]]
         base = _totals([rd[work][NO_SPEC][0] for rd in measured])
         workloads[work] = {"requested": length_summary(requests), "no_spec": base,
-                           "methods": {m: method_result(m, work, measured, k) for m in methods}}
+                           "methods": {m: method_result(m, work, measured, ks[m]) for m in methods}}
     return {
         "benchmark": "spec_decode",
         "model": model_config.model,
         "dtype": dtype_name(model_config.torch_dtype),
-        "num_speculative_tokens": k,
+        "num_speculative_tokens": args.num_speculative_tokens,  # None: each method's default (ks)
+        "num_speculative_tokens_per_method": ks,
         "methods": methods,
         "config": {"num_prompts": args.num_prompts, "output_len": args.output_len, "temperature": 0.0,
                    "ignore_eos": bool(args.ignore_eos), "seed": args.seed, "num_threads": threads,
@@ -390,10 +408,21 @@ def _arbiter_share(r: dict[str, Any]) -> str:
     return f"  arbiter: {spec}/{spec + plain} steps speculative" if spec + plain else ""
 
 
+def _positions_text(rates: list[float] | None) -> str:
+    """Per-position rates up to the last non-zero one (long suffix drafts leave many zero tails in the JSON)."""
+    if not rates:
+        return "n/a"
+    shown = max((i + 1 for i, x in enumerate(rates) if x), default=1)
+    tail = f", 0 x {len(rates) - shown}" if shown < len(rates) else ""
+    return "[" + ", ".join(_fmt(x, ".2f") for x in rates[:shown]) + tail + "]"
+
+
 def format_summary(result: dict[str, Any]) -> str:
     """Human-readable summary of a spec-decode result."""
     cfg = result["config"]
-    lines = [f"spec decode  model={result['model']}  dtype={result['dtype']}  k={result['num_speculative_tokens']}  "
+    ks = result.get("num_speculative_tokens_per_method") or {}
+    k_text = ",".join(f"{m}:{k}" for m, k in ks.items()) or result["num_speculative_tokens"]
+    lines = [f"spec decode  model={result['model']}  dtype={result['dtype']}  k={k_text}  "
              f"threads={result['env']['num_threads']}  max concurrency={cfg.get('max_concurrency') or 'engine'}  "
              f"rounds={cfg.get('rounds', 1)}  greedy"]
     for name, work in result["workloads"].items():
@@ -402,8 +431,7 @@ def format_summary(result: dict[str, Any]) -> str:
                      f"tokens)  no spec {_fmt(base['output_tokens_per_second'])} output tok/s "
                      f"({base['total_output_tokens']} tokens)")
         for method, r in work["methods"].items():
-            rates = r["per_position_acceptance_rate"]
-            pos = "[" + ", ".join(_fmt(x, ".2f") for x in rates) + "]" if rates else "n/a"
+            pos = _positions_text(r["per_position_acceptance_rate"])
             lines.append(f"    {method:>14}: AL {_fmt(r['mean_acceptance_length'])}  acceptance "
                          f"{_fmt(r['acceptance_rate'], '.3f')}  per-pos {pos}  {_fmt(r['output_tokens_per_second'])} "
                          f"output tok/s  x{_fmt(r['speedup_vs_no_spec'])} vs no spec (CPU time "
@@ -424,7 +452,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None, help="write the result JSON to this path")
     parser.add_argument("--methods", default="ngram,suffix,suffix+dynamic,draft_model",
                         help=f"comma-separated methods of {BENCH_METHODS}, each optionally '+dynamic'")
-    parser.add_argument("--num-speculative-tokens", type=positive_int, default=3, help="draft length k")
+    parser.add_argument("--num-speculative-tokens", type=positive_int, default=None,
+                        help=f"draft length k (default: the engine's for suffix, its tree depth; {DEFAULT_K} otherwise)")
     parser.add_argument("--prompt-lookup-min", type=positive_int, default=None, help="ngram minimum match length")
     parser.add_argument("--prompt-lookup-max", type=positive_int, default=None, help="ngram maximum match length")
     parser.add_argument("--draft-num-layers", type=positive_int, default=6,

@@ -194,3 +194,24 @@ def test_spec_bench_rounds_concurrency_and_draft_model(tiny_llama_dir: str) -> N
         assert (draft["arbiter_speculative_steps"], draft["arbiter_plain_steps"]) == (0, 0)  # not dynamic
         dynamic = work["methods"]["suffix+dynamic"]
         assert dynamic["arbiter_speculative_steps"] > 0  # the arbiter decided this run's steps (speculation first)
+
+
+def test_draft_length_defaults_per_method() -> None:
+    """Without --num-speculative-tokens suffix decoding gets the engine's default (its tree depth, as vLLM) and the
+    other methods 3; an explicit k applies to every method."""
+    args = _parse(["bench", "spec", "--methods", "ngram,suffix,suffix+dynamic"])
+    depth = SpeculativeConfig.from_json({"method": "suffix"}).num_speculative_tokens
+    assert depth == 24
+    assert speculative_config(args, "suffix")["num_speculative_tokens"] == depth
+    assert speculative_config(args, "suffix+dynamic")["num_speculative_tokens"] == depth
+    assert speculative_config(args, "ngram")["num_speculative_tokens"] == 3
+    explicit = _parse(["bench", "spec", "--num-speculative-tokens", "5"])
+    assert {speculative_config(explicit, m)["num_speculative_tokens"] for m in ("ngram", "suffix")} == {5}
+
+
+def test_summary_shows_positions_up_to_the_last_accepted() -> None:
+    from ascent.benchmarks.spec import _positions_text
+
+    assert _positions_text([0.5, 0.25, 0.0, 0.0]) == "[0.50, 0.25, 0 x 2]"
+    assert _positions_text([0.0, 0.0]) == "[0.00, 0 x 1]"
+    assert _positions_text([0.5]) == "[0.50]" and _positions_text(None) == "n/a"
