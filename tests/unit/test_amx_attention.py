@@ -131,3 +131,15 @@ def test_rows_with_other_slots_are_not_grouped(ops):
     q = torch.randn(4, heads * d, generator=gen).bfloat16()
     got = ops.paged_decode_attention(q, cache, slots, lens, heads, 0.125, 0)
     torch.testing.assert_close(got, _reference(q, cache, slots, lens, heads, 0.125, 0), atol=ATOL, rtol=ATOL)
+
+
+def test_amx_switch_off_by_environment():
+    """ASCENT_CPU_AMX=0 turns the AMX attention off (read once per process: checked in a fresh one)."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from ascent.layers import cpu_kernels; print(cpu_kernels.fused_ops().amx_attention_available(64, 3))"
+    env = {**os.environ, "ASCENT_CPU_AMX": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

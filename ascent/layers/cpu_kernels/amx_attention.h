@@ -70,9 +70,18 @@ struct AmxAttnScratch {
   AlignedVector<float> o;      // O [16][d]
 };
 
+// ASCENT_CPU_AMX=0 (read once) turns the AMX kernels off, as for the AMX linear (layers/cpu_packing.py).
+bool amx_enabled_by_environment() {
+  static const bool on = [] {
+    const char* v = std::getenv("ASCENT_CPU_AMX");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+
 bool amx_attention_applies(int64_t d, int64_t group) {
-  return g_amx_attention && ascent_tiles::amx_usable() && has_avx512() && group <= kAmxCols &&
-         (d == 32 || d == 64 || d == 128);
+  return g_amx_attention && amx_enabled_by_environment() && ascent_tiles::amx_usable() && has_avx512() &&
+         group <= kAmxCols && (d == 32 || d == 64 || d == 128);
 }
 
 // Whether the 16 slots from s are s[0], s[0] + 1, ..., s[0] + 15 (one strided tile load).
