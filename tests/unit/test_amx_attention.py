@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from ascent.layers import cpu_kernels
+from tests.unit.attention_reference import reference_decode as _reference
 
 BLOCK = 16
 ATOL = 2e-2  # one bf16 ulp of the outputs: the kernels differ in summation order (and p's 16-bit split)
@@ -25,19 +25,6 @@ def _cpu_has_amx() -> bool:
     with open("/proc/cpuinfo") as f:
         flags = f.read()
     return " amx_bf16" in flags and " amx_tile" in flags
-
-
-def _reference(q, cache, slots, lens, heads, scale, window):
-    kv_heads, d = cache.shape[2], cache.shape[3]
-    outs = []
-    for i, length in enumerate(lens.tolist()):
-        start = max(0, length - window) if window else 0
-        idx = slots[i, start:length]
-        k = cache[0].index_select(0, idx).float().transpose(0, 1)
-        v = cache[1].index_select(0, idx).float().transpose(0, 1)
-        qi = q[i].float().view(kv_heads, heads // kv_heads, d)
-        outs.append(F.scaled_dot_product_attention(qi, k, v, scale=scale).reshape(-1))
-    return torch.stack(outs).to(q.dtype)
 
 
 def _paged_slots(num_pages: int, length: int, gen: torch.Generator) -> torch.Tensor:

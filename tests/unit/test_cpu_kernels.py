@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ascent.layers import cpu_kernels
 from ascent.layers.rotary import get_rope
+from tests.unit.attention_reference import reference_decode as _reference_decode
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # fp32 results agree to rounding; half types to one ulp of the output (row reductions sum in another order)
@@ -67,19 +68,6 @@ def test_rotary_in_place_equals_torch_rotation(ops, dtype, neox, rotary_dim):
 
 def _paged_cache(dtype: torch.dtype, num_slots: int, kv_heads: int, d: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(2, num_slots, kv_heads, d, generator=gen).to(dtype)
-
-
-def _reference_decode(q, cache, slots, lens, heads, scale, window):
-    kv_heads, d = cache.shape[2], cache.shape[3]
-    outs = []
-    for i, length in enumerate(lens.tolist()):
-        start = max(0, length - window) if window else 0
-        idx = slots[i, start:length]
-        k = cache[0].index_select(0, idx).float().transpose(0, 1)  # [kvh, n, d]
-        v = cache[1].index_select(0, idx).float().transpose(0, 1)
-        qi = q[i].float().view(kv_heads, heads // kv_heads, d)
-        outs.append(F.scaled_dot_product_attention(qi, k, v, scale=scale).reshape(-1))
-    return torch.stack(outs).to(q.dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
