@@ -234,8 +234,9 @@ def parse_methods(text: str) -> list[str]:
 
 def _validate(args: argparse.Namespace) -> None:
     for name in ("num_prompts", "output_len", "num_speculative_tokens", "rounds"):
-        if (getattr(args, name, 1) or 1) < 1:
-            raise ValueError(f"{name}={getattr(args, name)!r} must be at least 1")
+        value = getattr(args, name, 1)
+        if value is not None and value < 1:  # num_speculative_tokens None: each method's default
+            raise ValueError(f"{name}={value!r} must be at least 1")
 
 
 def _model_config(args: argparse.Namespace) -> Any:

@@ -215,3 +215,14 @@ def test_summary_shows_positions_up_to_the_last_accepted() -> None:
     assert _positions_text([0.5, 0.25, 0.0, 0.0]) == "[0.50, 0.25, 0 x 2]"
     assert _positions_text([0.0, 0.0]) == "[0.00, 0 x 1]"
     assert _positions_text([0.5]) == "[0.50]" and _positions_text(None) == "n/a"
+
+
+def test_validation_rejects_zero_counts_but_allows_the_default_k() -> None:
+    from ascent.benchmarks.spec import _validate
+
+    _validate(_parse(["bench", "spec"]))  # num_speculative_tokens None: per-method defaults
+    for name in ("num_prompts", "output_len", "num_speculative_tokens", "rounds"):
+        args = _parse(["bench", "spec"])
+        setattr(args, name, 0)
+        with pytest.raises(ValueError, match=name):
+            _validate(args)

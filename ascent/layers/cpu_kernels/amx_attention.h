@@ -140,10 +140,9 @@ ASCENT_AMX_ATTENTION void amx_scores(const AmxAttnUnit& u, int64_t base, int64_t
   for (int64_t j = base; j < std::min<int64_t>(last, base + 2 * kAmxScoreKeys); ++j)
     prefetch_row(u.kbase + u.slots[j] * u.row_w, D);
   for (int64_t b = 0; b < blocks; b += 2) {
-    // the next pair of tiles' key rows (misses in flight), and this pair's value rows for amx_fill_vt
+    // the next pair of tiles' key rows: their misses in flight while this pair computes
     for (int64_t j = base + (b + 2) * kAmxScoreKeys; j < std::min<int64_t>(last, base + (b + 4) * kAmxScoreKeys); ++j)
       prefetch_row(u.kbase + u.slots[j] * u.row_w, D);
-
     int64_t s0 = 0, s1 = 0;
     const bf16* k0 = amx_key_rows<D>(u, base + b * kAmxScoreKeys, end, s.kg.data(), s0);
     const bf16* k1 = amx_key_rows<D>(u, base + (b + 1) * kAmxScoreKeys, end, s.kg.data() + kAmxScoreKeys * D, s1);
@@ -367,7 +366,7 @@ std::vector<std::pair<int64_t, int64_t>> shared_key_runs(const int64_t* slots, c
   return runs;
 }
 
-// Units [begin, stop) of amx_decode_attention on the calling thread (configures and releases the tiles).
+// paged_decode_attention's operands for the AMX path.
 struct AmxAttnCall {
   const bf16* qp;
   int64_t qs;
@@ -381,6 +380,7 @@ struct AmxAttnCall {
   bf16* op;
 };
 
+// Units [begin, stop) of amx_decode_attention on the calling thread (configures and releases the tiles).
 ASCENT_AMX_ATTENTION void amx_attention_units(const AmxAttnCall& a, const std::vector<std::pair<int64_t, int64_t>>& runs,
                                               int64_t begin, int64_t stop) {
   const int64_t group = a.num_heads / a.kv_heads;
