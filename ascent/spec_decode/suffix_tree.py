@@ -14,8 +14,9 @@ past requests, bounded by ``max_cached_requests`` with least-recently-updated ev
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -314,16 +315,24 @@ class SuffixCache:
 
     ``max_cached_requests``: responses kept in the global tree (0 disables it, negative = unbounded); when over,
     the least recently started/updated response is evicted (``eviction="fifo"``: the oldest started, as in Arctic).
+    ``tree_factory(max_depth)`` makes the trees (default: the native tree when built, see
+    :func:`~ascent.spec_decode.suffix_tree_native.suffix_tree_factory`).
     """
 
-    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, eviction: str = "lru") -> None:
+    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, eviction: str = "lru",
+                 tree_factory: Callable[[int], Any] | None = None) -> None:
         if eviction not in ("lru", "fifo"):
             raise ValueError(f"eviction={eviction!r} is invalid: must be 'lru' or 'fifo'")
+        if tree_factory is None:
+            from ascent.spec_decode.suffix_tree_native import suffix_tree_factory
+
+            tree_factory = suffix_tree_factory()
         self.max_tree_depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
         self.eviction = eviction
-        self._global = SuffixTree(max_tree_depth)
-        self._local: dict[Hashable, SuffixTree] = {}
+        self._new_tree = tree_factory
+        self._global = tree_factory(max_tree_depth)
+        self._local: dict[Hashable, Any] = {}
         self._unindexed: dict[Hashable, list[int]] = {}  # per request: tokens not yet in its prompt tree
         self._cached: OrderedDict[Hashable, None] = OrderedDict()  # eviction order, oldest first
 
@@ -337,10 +346,10 @@ class SuffixCache:
         return list(self._cached)
 
     @property
-    def global_tree(self) -> SuffixTree:
+    def global_tree(self) -> Any:
         return self._global
 
-    def local_tree(self, req_id: Hashable) -> SuffixTree:
+    def local_tree(self, req_id: Hashable) -> Any:
         tree = self._local[req_id]
         pending = self._unindexed.pop(req_id, None)
         if pending:
@@ -352,7 +361,7 @@ class SuffixCache:
         the same id)."""
         if req_id in self._local:
             raise ValueError(f"request {req_id!r} is already active")
-        self._local[req_id] = SuffixTree(self.max_tree_depth)
+        self._local[req_id] = self._new_tree(self.max_tree_depth)
         self._unindexed[req_id] = [int(t) for t in prompt_token_ids]
         if self.max_cached_requests == 0:
             return

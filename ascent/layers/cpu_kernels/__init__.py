@@ -125,3 +125,11 @@ def amx_ops() -> ModuleType | None:
     """AMX bf16 linear for mid-sized M (``amx_linear_cpu.cpp``), or None when not applicable (no AMX-BF16)."""
     module = load_extension("amx_linear_cpu.cpp") if fused_ops_enabled() else None
     return module if module is not None and module.amx_available() else None
+
+
+def suffix_tree_ops() -> ModuleType | None:
+    """The native suffix tree of suffix decoding (``suffix_tree_cpu.cpp``; host code, so any hardware profile), or
+    None when ``ASCENT_NATIVE_SUFFIX_TREE=0`` or the build failed."""
+    if os.environ.get("ASCENT_NATIVE_SUFFIX_TREE", "1") == "0":
+        return None
+    return load_extension("suffix_tree_cpu.cpp")

@@ -7,10 +7,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from ascent.layers.cpu_kernels import suffix_tree_ops
 from ascent.spec_decode.suffix_tree import SuffixCache, SuffixTree
+from ascent.spec_decode.suffix_tree_native import NativeSuffixTree
 from tests.unit.spec_decode.reference import BruteSuffixIndex
 
 TOKENS = st.integers(0, 3)
+
+
+def native_tree(depth: int) -> NativeSuffixTree:
+    ops = suffix_tree_ops()
+    assert ops is not None, "the native suffix tree did not build"
+    return NativeSuffixTree(depth, ops)
+
+
+# Every test below runs on both trees: the Python one and the C++ one must give the same results.
+IMPLS = {"python": SuffixTree, "native": native_tree}
+impls = pytest.mark.parametrize("impl", sorted(IMPLS))
 
 
 class TreeVsBruteForce(RuleBasedStateMachine):
@@ -20,10 +33,12 @@ class TreeVsBruteForce(RuleBasedStateMachine):
         super().__init__()
         self.seqs: dict[int, list[int]] = {}
 
+    make = staticmethod(SuffixTree)
+
     @initialize(depth=st.integers(1, 6))
     def make_tree(self, depth):
         self.depth = depth
-        self.tree = SuffixTree(depth)
+        self.tree = self.make(depth)
 
     @rule(seq_id=st.integers(0, 3), tokens=st.lists(TOKENS, max_size=8))
     def extend(self, seq_id, tokens):
@@ -57,15 +72,22 @@ class TreeVsBruteForce(RuleBasedStateMachine):
         assert {k: v for k, v in self.tree.sequences.items() if v} == self.seqs
 
 
+class NativeTreeVsBruteForce(TreeVsBruteForce):
+    make = staticmethod(native_tree)
+
+
 TestTreeVsBruteForce = TreeVsBruteForce.TestCase
 TestTreeVsBruteForce.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+TestNativeTreeVsBruteForce = NativeTreeVsBruteForce.TestCase
+TestNativeTreeVsBruteForce.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
 
 
 @settings(max_examples=150, deadline=None)
 @given(seqs=st.lists(st.lists(st.integers(0, 2), max_size=25), min_size=1, max_size=4), depth=st.integers(1, 7),
        ctx=st.lists(st.integers(0, 2), max_size=10), max_tokens=st.integers(0, 8))
-def test_build_and_speculate_match_brute_force(seqs, depth, ctx, max_tokens):
-    tree = SuffixTree(depth)
+@impls
+def test_build_and_speculate_match_brute_force(impl, seqs, depth, ctx, max_tokens):
+    tree = IMPLS[impl](depth)
     for i, s in enumerate(seqs):
         tree.extend(i, s)
     tree.check_integrity()
@@ -75,8 +97,9 @@ def test_build_and_speculate_match_brute_force(seqs, depth, ctx, max_tokens):
     assert (d.token_ids, d.score, d.match_len) == ref.speculate(ctx, max_tokens)
 
 
-def test_depth_bound_limits_counts_and_drafts():
-    tree = SuffixTree(3)
+@impls
+def test_depth_bound_limits_counts_and_drafts(impl):
+    tree = IMPLS[impl](3)
     tree.extend("a", [1, 2, 3, 4, 5, 6])
     tree.check_integrity()
     assert tree.count([1, 2, 3]) == 1 and tree.count([1, 2, 3, 4]) == 0
@@ -85,8 +108,9 @@ def test_depth_bound_limits_counts_and_drafts():
     assert d.token_ids == [2, 3] and d.match_len == 1
 
 
-def test_counts_and_probabilities_from_frequencies():
-    tree = SuffixTree(8)
+@impls
+def test_counts_and_probabilities_from_frequencies(impl):
+    tree = IMPLS[impl](8)
     for i, s in enumerate([[1, 2, 3], [1, 2, 3], [1, 2, 4], [1, 5, 6]]):
         tree.extend(i, s)
     assert tree.count([1]) == 4 and tree.count([1, 2]) == 3 and tree.count([1, 2, 3]) == 2
@@ -94,8 +118,9 @@ def test_counts_and_probabilities_from_frequencies():
     assert d.token_ids == [2, 3] and d.probs == [0.75, 0.75 * (2 / 3)] and d.match_len == 1
 
 
-def test_min_token_prob_cuts_the_chain():
-    tree = SuffixTree(8)
+@impls
+def test_min_token_prob_cuts_the_chain(impl):
+    tree = IMPLS[impl](8)
     for i, s in enumerate([[1, 2, 3], [1, 2, 4], [1, 2, 5], [1, 2, 6]]):
         tree.extend(i, s)
     # after [1]: 2 has prob 1.0; then four-way split at 0.25 each (tie -> smallest id 3)
@@ -103,8 +128,9 @@ def test_min_token_prob_cuts_the_chain():
     assert tree.speculate([0, 1], 5, 5.0, min_token_prob=0.25).token_ids == [2, 3]
 
 
-def test_spec_factor_and_offset_cap_the_draft_length():
-    tree = SuffixTree(16)
+@impls
+def test_spec_factor_and_offset_cap_the_draft_length(impl):
+    tree = IMPLS[impl](16)
     tree.extend(0, list(range(10)))
     # context ends in [3, 4]: match lengths 1 and 2 both continue with 5, 6, 7, ...
     assert tree.speculate([3, 4], 8, max_spec_factor=1.0).token_ids == [5]  # m=1 only (m < len(ctx))
@@ -115,8 +141,9 @@ def test_spec_factor_and_offset_cap_the_draft_length():
     assert tree.speculate([2, 3, 4], 8, max_spec_factor=0.0).token_ids == []
 
 
-def test_remove_repoints_shared_nodes():
-    tree = SuffixTree(6)
+@impls
+def test_remove_repoints_shared_nodes(impl):
+    tree = IMPLS[impl](6)
     tree.extend("a", [1, 2, 3, 4])
     tree.extend("b", [1, 2, 3, 5])
     tree.remove("a")
@@ -128,8 +155,8 @@ def test_remove_repoints_shared_nodes():
     tree.remove("nope")  # unknown ids are ignored
 
 
-def _cache_with_responses(max_cached: int, eviction: str = "lru") -> SuffixCache:
-    cache = SuffixCache(max_tree_depth=8, max_cached_requests=max_cached, eviction=eviction)
+def _cache_with_responses(impl: str, max_cached: int, eviction: str = "lru") -> SuffixCache:
+    cache = SuffixCache(tree_factory=IMPLS[impl], max_tree_depth=8, max_cached_requests=max_cached, eviction=eviction)
     for r in ("r0", "r1", "r2"):
         cache.start_request(r, [100])
         cache.add_active_response(r, [10, 11, 12])
@@ -137,17 +164,19 @@ def _cache_with_responses(max_cached: int, eviction: str = "lru") -> SuffixCache
     return cache
 
 
-def test_global_cache_bound_evicts_least_recently_updated():
-    cache = _cache_with_responses(max_cached=2)
+@impls
+def test_global_cache_bound_evicts_least_recently_updated(impl):
+    cache = _cache_with_responses(impl, max_cached=2)
     assert cache.cached_requests == ["r1", "r2"]
     assert cache.global_tree.count([10, 11]) == 2
     cache.start_request("r3", [1])
     assert cache.cached_requests == ["r2", "r3"] and cache.global_tree.count([10, 11]) == 1
 
 
-def test_lru_keeps_a_long_running_request_that_fifo_would_evict():
+@impls
+def test_lru_keeps_a_long_running_request_that_fifo_would_evict(impl):
     for eviction, survivor in (("lru", "old"), ("fifo", "new2")):
-        cache = SuffixCache(max_tree_depth=8, max_cached_requests=2, eviction=eviction)
+        cache = SuffixCache(tree_factory=IMPLS[impl], max_tree_depth=8, max_cached_requests=2, eviction=eviction)
         cache.start_request("old", [1])
         cache.start_request("new1", [1])
         cache.add_active_response("old", [7, 7])
@@ -156,16 +185,18 @@ def test_lru_keeps_a_long_running_request_that_fifo_would_evict():
         assert cache.global_tree.count([7, 7]) == (1 if eviction == "lru" else 0)
 
 
-def test_disabled_global_tree_and_restart_replaces_response():
-    cache = _cache_with_responses(max_cached=0)
+@impls
+def test_disabled_global_tree_and_restart_replaces_response(impl):
+    cache = _cache_with_responses(impl, max_cached=0)
     assert cache.cached_requests == [] and cache.global_tree.count([10]) == 0
-    cache = _cache_with_responses(max_cached=10)
+    cache = _cache_with_responses(impl, max_cached=10)
     cache.start_request("r0", [5])  # same id again: its old response leaves the global tree
     assert cache.global_tree.count([10, 11]) == 2
 
 
-def test_speculate_prefers_higher_score_tree_and_local_on_ties():
-    cache = SuffixCache(max_tree_depth=8, max_cached_requests=10)
+@impls
+def test_speculate_prefers_higher_score_tree_and_local_on_ties(impl):
+    cache = SuffixCache(tree_factory=IMPLS[impl], max_tree_depth=8, max_cached_requests=10)
     for i in range(3):  # three past responses: "1 2 -> 3 4"
         cache.start_request(f"past{i}", [0])
         cache.add_active_response(f"past{i}", [1, 2, 3, 4])
@@ -175,8 +206,9 @@ def test_speculate_prefers_higher_score_tree_and_local_on_ties():
     assert draft.token_ids == [3, 4]  # global: prob 1.0 path beats the local 0.5 branch
 
 
-def test_equal_scores_keep_the_prompt_tree_draft():
-    cache = SuffixCache(max_tree_depth=8, max_cached_requests=10)
+@impls
+def test_equal_scores_keep_the_prompt_tree_draft(impl):
+    cache = SuffixCache(tree_factory=IMPLS[impl], max_tree_depth=8, max_cached_requests=10)
     cache.start_request("past", [0])
     cache.add_active_response("past", [5, 2, 3])
     cache.stop_request("past")
@@ -186,8 +218,9 @@ def test_equal_scores_keep_the_prompt_tree_draft():
     assert cache.speculate("w", [9, 2], 4).token_ids == [3]
 
 
-def test_cache_lifecycle_errors():
-    cache = SuffixCache(max_tree_depth=4, max_cached_requests=4)
+@impls
+def test_cache_lifecycle_errors(impl):
+    cache = SuffixCache(tree_factory=IMPLS[impl], max_tree_depth=4, max_cached_requests=4)
     cache.start_request("a", [1])
     with pytest.raises(ValueError, match="'a' is already active"):
         cache.start_request("a", [1])
@@ -198,13 +231,14 @@ def test_cache_lifecycle_errors():
     with pytest.raises(ValueError, match="'b' is not cached"):
         cache.evict_cached_response("b")
     with pytest.raises(ValueError, match="eviction='lfu'"):
-        SuffixCache(eviction="lfu")
+        SuffixCache(tree_factory=IMPLS[impl], eviction="lfu")
     with pytest.raises(ValueError, match="max_depth=0"):
-        SuffixTree(0)
+        IMPLS[impl](0)
 
 
-def test_prompt_trees_are_indexed_lazily_with_the_same_drafts():
-    lazy, eager = SuffixCache(max_tree_depth=4), SuffixTree(4)
+@impls
+def test_prompt_trees_are_indexed_lazily_with_the_same_drafts(impl):
+    lazy, eager = SuffixCache(tree_factory=IMPLS[impl], max_tree_depth=4), IMPLS[impl](4)
     prompt, outputs = [1, 2, 3, 1, 2], [[3, 1], [2, 3, 1]]
     lazy.start_request("r", prompt)
     eager.extend(0, prompt)
@@ -224,8 +258,9 @@ def test_prompt_trees_are_indexed_lazily_with_the_same_drafts():
 @settings(max_examples=150, deadline=None)
 @given(seqs=st.lists(st.lists(TOKENS, min_size=1, max_size=30), min_size=2, max_size=4), depth=st.integers(1, 6),
        max_tokens=st.integers(1, 5), factor=st.sampled_from([0.5, 1.0, 2.0]), drop=st.integers(0, 3))
-def test_tail_match_points_equal_walks_from_the_root(seqs, depth, max_tokens, factor, drop):
-    tree = SuffixTree(depth)
+@impls
+def test_tail_match_points_equal_walks_from_the_root(impl, seqs, depth, max_tokens, factor, drop):
+    tree = IMPLS[impl](depth)
     for i in range(max(map(len, seqs))):  # interleaved appends, as concurrent requests grow
         for s, seq in enumerate(seqs):
             if i < len(seq):
