@@ -94,11 +94,13 @@ def small_m_kernel(weight: torch.Tensor) -> ModuleType | None:
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None,
-               small_m: ModuleType | None, amx: AmxWeight | None = None) -> torch.Tensor:
+               small_m: ModuleType | None, amx: AmxWeight | None = None, float_output: bool = False) -> torch.Tensor:
     """``x [..., in]`` -> ``[..., out]`` through the fastest applicable path; all agree with ``F.linear`` up to fp32
-    summation order. ``weight`` may be an empty placeholder when only packed copies are kept."""
+    summation order. ``weight`` may be an empty placeholder when only packed copies are kept. ``float_output``: the
+    caller wants fp32 (the lm_head's logits); the AMX path then writes the rounded values as fp32 in one pass, the
+    others return their usual dtype (the caller converts)."""
     if amx is not None and x.dtype == torch.bfloat16 and x.numel() <= AMX_MAX_M * x.shape[-1]:
-        return amx.ops.amx_linear(x, amx.packed, bias)
+        return amx.ops.amx_linear(x, amx.packed, bias, float_output)
     if (small_m is not None and x.dtype == weight.dtype and weight.numel() > 0
             and x.numel() <= SMALL_M_MAX * weight.shape[1]
             and (bias is None or bias.dtype == x.dtype)):

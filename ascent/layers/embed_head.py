@@ -162,9 +162,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = self.quant_method.apply(self, hidden_states, self.bias)
         else:
             logits = cpu_linear(hidden_states, self.weight, getattr(self, "packed_weight", None), self.bias,
-                                getattr(self, "small_m_ops", None), getattr(self, "amx_weight", None))
+                                getattr(self, "small_m_ops", None), getattr(self, "amx_weight", None),
+                                float_output=True)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         if logits.shape[-1] != self.org_vocab_size:
             logits = logits[..., : self.org_vocab_size]
-        return logits.float()
+        return logits.float().contiguous()

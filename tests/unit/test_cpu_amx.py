@@ -60,6 +60,25 @@ def test_linear_is_the_exact_product_rounded(amx, m, n, k):
     _assert_bf16_of(amx.amx_linear(x, wp, bias), _exact(x, w, bias))
 
 
+@pytest.mark.parametrize("m", [1, 16, 17, 40])
+def test_float_output_is_the_rounded_bf16_widened(amx, m):
+    """``float_out`` (the lm_head's logits) stores the very bf16 values as fp32: bit-equal to converting them."""
+    gen = torch.Generator().manual_seed(m)
+    w = (torch.randn(96, 64, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(2, m, 64, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(96, generator=gen).to(torch.bfloat16)
+    wp = amx.amx_pack(w)
+    for b in (None, bias):
+        got = amx.amx_linear(x, wp, b, True)
+        assert got.dtype == torch.float32 and got.shape == (2, m, 96)
+        assert torch.equal(got, amx.amx_linear(x, wp, b).float())
+    tiles = cpu_packing.AmxWeight(amx, wp)
+    via_dispatch = cpu_packing.cpu_linear(x, w, None, None, None, tiles, float_output=True)
+    assert via_dispatch.dtype == torch.float32 and torch.equal(via_dispatch, amx.amx_linear(x, wp, None).float())
+    plain = cpu_packing.cpu_linear(x, w, None, None, None, None, float_output=True)  # other paths: their own dtype
+    assert plain.dtype == torch.bfloat16
+
+
 def test_leading_dims_strides_and_bad_inputs(amx):
     w = torch.randn(32, 64).to(torch.bfloat16)
     wp = amx.amx_pack(w)
@@ -86,9 +105,9 @@ def test_dispatch_takes_amx_up_to_its_row_limit(amx, monkeypatch):
     calls = []
 
     class Recorder:
-        def amx_linear(self, x, wp, bias):
+        def amx_linear(self, x, wp, bias, float_out=False):
             calls.append(x.shape[0])
-            return amx.amx_linear(x, wp, bias)
+            return amx.amx_linear(x, wp, bias, float_out)
 
     recorded = cpu_packing.AmxWeight(Recorder(), tiles.packed)
     for m in (1, 7, cpu_packing.AMX_MAX_M, cpu_packing.AMX_MAX_M + 1):
@@ -104,3 +123,29 @@ def test_dispatch_takes_amx_up_to_its_row_limit(amx, monkeypatch):
     assert cpu_packing.amx_linear_weight(w) is None
     monkeypatch.delenv("ASCENT_CPU_AMX")
     assert cpu_packing.amx_linear_weight(w.float()) is None and cpu_packing.amx_linear_weight(w[:, :16]) is None
+
+
+def test_lm_head_logits_come_from_the_tiles_as_fp32(amx):
+    """The lm_head's fp32 logits are the AMX tiles' bf16 values widened, straight from the kernel."""
+    from ascent.layers.embed_head import ParallelLMHead
+
+    vocab, dim = 112, 64
+    table = (torch.randn(vocab, dim) * 0.1).to(torch.bfloat16)
+    head = ParallelLMHead(vocab, dim, params_dtype=torch.bfloat16)
+    head.weight.weight_loader(head.weight, table)
+    head.process_weights_after_loading()
+    assert head.amx_weight is not None
+    hidden = torch.randn(5, dim).to(torch.bfloat16)
+    logits = head(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (5, vocab) and logits.is_contiguous()
+    assert torch.equal(logits, amx.amx_linear(hidden, head.amx_weight.packed, None).float())
+    _assert_bf16_of(logits.to(torch.bfloat16), _exact(hidden, table, None))
+    seen = []
+
+    class Recorder:
+        def amx_linear(self, x, wp, bias, float_out=False):
+            seen.append(float_out)
+            return amx.amx_linear(x, wp, bias, float_out)
+
+    head.amx_weight = cpu_packing.AmxWeight(Recorder(), head.amx_weight.packed)
+    assert torch.equal(head(hidden), logits) and seen == [True]  # one pass, no separate conversion

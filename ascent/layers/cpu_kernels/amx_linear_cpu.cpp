@@ -37,8 +37,9 @@ struct Operands {
   const c10::BFloat16* wp;  // packed [N/16, K/32, 16, 32]
   int64_t kb;               // K / 32
   const float* bias;        // [N] fp32 or null
-  c10::BFloat16* y;         // [M, N]
+  void* y;                  // [M, N] bf16, or fp32 holding the bf16-rounded values (float_out)
   int64_t n;
+  bool float_out;
 };
 
 // fp32 -> bf16 bits, nearest-even with NaN -> 0x7FC0: c10::BFloat16's conversion, 16 lanes at a time.
@@ -50,14 +51,20 @@ __attribute__((target("avx512f,avx512bw"))) inline __m256i bf16_bits(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-// y[m0 + r, col0 + c] = bf16(scratch[r][c] + bias[col0 + c]) for r < rows, c < 16 * blocks (scratch rows of 32).
+// y[m0 + r, col0 + c] = bf16(scratch[r][c] + bias[col0 + c]) for r < rows, c < 16 * blocks (scratch rows of 32);
+// with float_out the bf16 value is stored widened to fp32 (exactly what converting the bf16 output would give).
 __attribute__((target("avx512f,avx512bw"))) void store_rows(const Operands& o, const float* scratch, int64_t m0,
                                                              int64_t rows, int64_t col0, int blocks) {
   for (int b = 0; b < blocks; ++b) {
     const __m512 bias = o.bias ? _mm512_loadu_ps(o.bias + col0 + 16 * b) : _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; ++r) {
-      const __m512 v = _mm512_add_ps(_mm512_load_ps(scratch + r * 32 + 16 * b), bias);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.y + (m0 + r) * o.n + col0 + 16 * b), bf16_bits(v));
+      const __m256i bits = bf16_bits(_mm512_add_ps(_mm512_load_ps(scratch + r * 32 + 16 * b), bias));
+      const int64_t at = (m0 + r) * o.n + col0 + 16 * b;
+      if (o.float_out) {
+        _mm512_storeu_si512(static_cast<float*>(o.y) + at, _mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<c10::BFloat16*>(o.y) + at), bits);
+      }
     }
   }
 }
@@ -136,9 +143,10 @@ torch::Tensor amx_pack(const torch::Tensor& w) {
       .view({n / 16, k / 32, 16, 32});
 }
 
-// y [M, N] = x [M, K] @ W^T (+ bias) with wp = amx_pack(W); bf16 in and out, fp32 accumulation.
+// y [M, N] = x [M, K] @ W^T (+ bias) with wp = amx_pack(W); bf16 in and out, fp32 accumulation. float_out: y is
+// fp32 holding the bf16-rounded values (the same numbers as amx_linear(...).float(), without the second pass).
 torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
-                         const c10::optional<torch::Tensor>& bias_in) {
+                         const c10::optional<torch::Tensor>& bias_in, bool float_out = false) {
   TORCH_CHECK(amx_usable(), "amx_linear: AMX-BF16 is not available");
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kBFloat16 && x_in.dim() >= 1,
               "amx_linear: x must be a bf16 CPU tensor");
@@ -155,9 +163,9 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   }
   auto sizes = x_in.sizes().vec();
   sizes.back() = n;
-  auto y = torch::empty({m, n}, x.options());
+  auto y = torch::empty({m, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   const Operands o{x.data_ptr<c10::BFloat16>(), k, wp.data_ptr<c10::BFloat16>(), k / 32,
-                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, y.data_ptr<c10::BFloat16>(), n};
+                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, y.data_ptr(), n, float_out};
   const int64_t pairs = (n / 16 + 1) / 2;
   at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { pair_range(o, m, begin, end); });
   return y.view(sizes);
@@ -170,6 +178,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace ascent_amx;
   m.def("amx_available", &amx_available, "amx_available() -> whether AMX-BF16 can be used");
   m.def("amx_pack", &amx_pack, "amx_pack(W bf16 [N, K]) -> packed B tiles [N/16, K/32, 16, 32]");
-  m.def("amx_linear", &amx_linear, "amx_linear(x bf16 [..., K], wp, bias) -> bf16 [..., N]");
+  m.def("amx_linear", &amx_linear, "amx_linear(x bf16 [..., K], wp, bias, float_out=False) -> bf16 (or fp32) [..., N]",
+        py::arg("x"), py::arg("wp"), py::arg("bias"), py::arg("float_out") = false);
 }
 #endif  // ASCENT_EMBEDDED_KERNELS
