@@ -64,6 +64,22 @@ def _pad(flat: torch.Tensor, spec: SpecDecodeMetadata, fill: float) -> torch.Ten
     return out
 
 
+def _verify_all_greedy(spec: SpecDecodeMetadata, argmax: list[int]) -> list[list[int]]:
+    """Greedy verification of a batch without logits processors, from the target argmax of every row (host ints):
+    per request the drafts equal to the argmax before them, then the argmax after the last accepted one. The same
+    result as :meth:`RejectionSampler._verify_greedy`, without its tensor bookkeeping (a decode step's batch is
+    small)."""
+    out: list[list[int]] = []
+    row = 0
+    for drafts in spec.draft_token_ids:
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == argmax[row + accepted]:
+            accepted += 1
+        out.append(list(drafts[:accepted]) + [argmax[row + accepted]])
+        row += len(drafts) + 1
+    return out
+
+
 def _index(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(array).to(device)
 
@@ -173,8 +189,10 @@ class RejectionSampler(nn.Module):
         _validate(spec, draft_probs, target_logits, sampling_metadata, deterministic_proposer)
         if spec.num_requests == 0:
             return []
-        row_md = expand_sampling_metadata(sampling_metadata, spec)
         greedy = (sampling_metadata.temperature <= 0).cpu().numpy()
+        if greedy.all() and not has_logits_processors(sampling_metadata) and target_logits.dtype == torch.float32:
+            return _verify_all_greedy(spec, argmax_rows(target_logits).tolist())
+        row_md = expand_sampling_metadata(sampling_metadata, spec)
         if greedy.all() and not has_logits_processors(row_md) and target_logits.dtype == torch.float32:
             processed = target_logits  # read only: greedy verification needs no processed copy
         else:

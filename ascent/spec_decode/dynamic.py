@@ -161,6 +161,12 @@ class DynamicSpecParams:
         return cls(**values)
 
 
+def survival_of(token_probs: np.ndarray) -> np.ndarray:
+    """float64 ``[B, D]`` conditional acceptance estimates -> their running products, each factor clamped to
+    ``[1e-6, 1]`` (the cumulative probability that the draft prefix through each position is accepted)."""
+    return np.cumprod(np.minimum(np.maximum(token_probs, 1e-6), 1.0), axis=1)
+
+
 class DynamicSpecScheduler:
     """Per-request verify lengths within a shared budget (host numpy; one instance per engine)."""
 
@@ -176,10 +182,10 @@ class DynamicSpecScheduler:
     def update(self, token_probs: np.ndarray) -> np.ndarray:
         """``token_probs`` float ``[B, D]`` (D == num_speculative_tokens) -> keep lengths int32 ``[B]`` in
         ``[min_k, D]`` with ``sum <= B * budget_k``. Advances the budget-update clock by one step."""
-        probs = np.clip(np.asarray(token_probs, dtype=np.float64), 1e-6, 1.0)
+        probs = np.asarray(token_probs, dtype=np.float64)
         if probs.ndim != 2 or probs.shape[1] != self.max_k:
             raise ValueError(f"token_probs shape {probs.shape} is invalid: expected [B, {self.max_k}]")
-        survival = np.cumprod(probs, axis=1)
+        survival = survival_of(probs)
         self._maybe_update_budget(survival)
         return self.allocate(survival)
 
@@ -196,14 +202,16 @@ class DynamicSpecScheduler:
     def allocate(self, survival: np.ndarray) -> np.ndarray:
         """Keep lengths for ``survival [B, D]`` under the current ``budget_k`` (ties -> earlier column, then row)."""
         num_reqs, d = survival.shape
-        keep = np.full(num_reqs, self.min_k, dtype=np.int32)
+        keep = np.full(num_reqs, self.min_k, dtype=np.int64)
         window = survival[:, self.min_k:]
         extra = min(num_reqs * max(self.budget_k - self.min_k, 0), window.size)
-        if extra > 0:
+        if extra >= window.size:  # the budget covers every column
+            keep += window.shape[1]
+        elif extra > 0:
             rows, cols = np.indices(window.shape)
             order = np.lexsort((rows.ravel(), cols.ravel(), -window.ravel()))[:extra]
-            np.add.at(keep, rows.ravel()[order], 1)
-        return np.clip(keep, self.min_k, d).astype(np.int32)
+            keep += np.bincount(rows.ravel()[order], minlength=num_reqs)
+        return np.minimum(keep, d).astype(np.int32)
 
 
 class AcceptanceStats:
@@ -243,12 +251,12 @@ class AcceptanceStats:
     def token_probs(self, req_ids: Sequence[str]) -> np.ndarray:
         """float64 ``[len(req_ids), k]`` conditional acceptance estimates (unknown requests get the global one)."""
         prior = (self._all_accepted + 1.0) / (self._all_tried + 2.0)
+        if not req_ids:
+            return np.empty((0, self.max_k), dtype=np.float64)
         zeros = np.zeros(self.max_k, dtype=np.int64)
-        out = np.empty((len(req_ids), self.max_k), dtype=np.float64)
-        for i, r in enumerate(req_ids):
-            tried, acc = self._tried.get(r, zeros), self._accepted.get(r, zeros)
-            out[i] = (acc + self.prior_strength * prior) / (tried + self.prior_strength)
-        return out
+        tried = np.stack([self._tried.get(r, zeros) for r in req_ids])
+        acc = np.stack([self._accepted.get(r, zeros) for r in req_ids])
+        return (acc + self.prior_strength * prior) / (tried + self.prior_strength)
 
 
 class DraftGate:
@@ -277,7 +285,7 @@ class DraftGate:
 
     def apply(self, req_ids: Sequence[str], token_probs: np.ndarray, keep: np.ndarray) -> np.ndarray:
         """``token_probs [B, D]`` (as for :meth:`DynamicSpecScheduler.update`), ``keep [B]`` -> gated lengths."""
-        survival = np.cumprod(np.clip(np.asarray(token_probs, dtype=np.float64), 1e-6, 1.0), axis=1)
+        survival = survival_of(np.asarray(token_probs, dtype=np.float64))
         keep = np.asarray(keep, dtype=np.int64)
         out = np.minimum(keep, (survival >= self.min_survival).sum(axis=1)) if self.min_survival > 0 else keep.copy()
         cut_from = out.copy()

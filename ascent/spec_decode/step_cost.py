@@ -162,7 +162,7 @@ def cost_cut(survival: np.ndarray, keep: np.ndarray, a: float, b: float, c: floa
     survival = np.asarray(survival, dtype=np.float64)
     if survival.ndim != 2 or survival.shape[0] != np.asarray(keep).shape[0]:
         raise ValueError(f"survival shape {survival.shape} and keep shape {np.asarray(keep).shape} are inconsistent")
-    keep = np.clip(np.asarray(keep, dtype=np.int64), 0, survival.shape[1])
+    keep = np.minimum(np.maximum(np.asarray(keep, dtype=np.int64), 0), survival.shape[1])
     if (not b > 0 and not c > 0 and not e > 0) or keep.sum() == 0:
         return keep.copy()
     num_reqs, width = survival.shape

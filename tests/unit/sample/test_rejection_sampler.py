@@ -89,6 +89,14 @@ def test_greedy_matches_argmax_chain(method: str, with_probs: bool) -> None:
     out = RejectionSampler(method)(spec, probs, rows, _md(params), deterministic_proposer=True)
     assert out == _greedy_reference(spec, logits[: spec.total_rows], params, empty, empty)
     assert out[0] == spec_rows[0] + [best[3]] and out[3] == [best[10]] and out[4] == [best[11]]
+    # One random request in the batch: the greedy rows take the tensor path of a mixed batch, with the same result.
+    mixed = SpecDecodeMetadata(spec_rows + [[best[30]]])
+    mixed_params = params + [SamplingParams(temperature=1.0, seed=0)]
+    gens = {len(spec_rows): make_generator(0, "device", CPU)}
+    probs = _draft_probs(mixed, 1) if with_probs else None
+    got = RejectionSampler(method)(mixed, probs, torch.tensor(logits[: mixed.total_rows]),
+                                   _md(mixed_params, generators=gens), deterministic_proposer=True)
+    assert got[: len(spec_rows)] == out
 
 
 def test_greedy_applies_processors_per_position() -> None:
