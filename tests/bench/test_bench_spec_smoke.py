@@ -15,6 +15,7 @@ from ascent.benchmarks.spec import (SpecCounts, acceptance_summary, format_summa
                                     speculative_config)
 from ascent.benchmarks.spec_workloads import WORKLOADS, build_workloads
 from ascent.spec_decode.base import SpeculativeConfig
+from ascent.spec_decode.dynamic import DynamicSpecParams
 
 K = 3
 NUM_PROMPTS = 4
@@ -151,7 +152,9 @@ def test_cli_flags_build_valid_speculative_configs() -> None:
     defaults = _parse(["bench", "spec"])
     assert defaults.max_concurrency is None and defaults.rounds == 1 and defaults.draft_num_layers == 6
     assert "draft_model" in parse_methods(defaults.methods)
-    assert parse_dynamic_params(None)["min_draft_survival"] > 0
+    assert parse_dynamic_params(None) == {}  # the engine's own dynamic defaults
+    assert DynamicSpecParams.from_dict(speculative_config(defaults, "suffix+dynamic")["dynamic_params"]) == \
+        DynamicSpecParams()
     for bad in ("[1]", "{", '{"unknown": 1}', '{"min_draft_survival": 2}'):
         with pytest.raises(ValueError):
             parse_dynamic_params(bad)
