@@ -189,7 +189,7 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
         else:
             multi = multi[:0]
         prefill_idx = np.flatnonzero((query_lens > 1) & ~short) if expand else np.flatnonzero(query_lens > 1)
-        for i in np.setdiff1d(prefill_idx, multi):
+        for i in (np.setdiff1d(prefill_idx, multi) if len(prefill_idx) else prefill_idx):
             md.prefills.append(self._plan_prefill(common, int(i), qsl, seq_lens, computed))
         return md
 
