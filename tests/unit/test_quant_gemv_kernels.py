@@ -349,14 +349,66 @@ def test_w8a16_bf16_kernel(bf16_ops, m, k, groups):
         assert_close(bf16_ops.w8a16_linear(x, q, scale, z, b), ref_weight_only(x, q, scale, z, b))
 
 
+@pytest.fixture(params=["vnni", "bf16-dp"])
+def wo4_ops(request, ops):
+    """The module with W4A16 on 16-bit x through the VNNI fixed-point kernel (default) or the VDPBF16PS one."""
+    old = ops.set_wo4_vnni(1 if request.param == "vnni" else 0)
+    yield ops
+    ops.set_wo4_vnni(old)
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize("k,groups", [(576, 1), (128, 1), (7, 1), (255, 1), (1000, 1), (576, 9), (384, 3),
-                                      (640, 5), (1536, 12), (256, 2)])
-def test_w4a16_bf16_kernel(ops, m, k, groups):
+                                      (640, 5), (1536, 12), (256, 2), (1536, 48), (160, 5)])
+def test_w4a16_bf16_kernel(wo4_ops, m, k, groups):
     x, q, scale, zero, bias = extreme_operands(m, k, 37, groups, 4, m * 17 + k)
-    packed = ops.w4a16_pack(q)
+    packed = wo4_ops.w4a16_pack(q)
     for z, b in ((None, None), (zero, bias), (None, bias)):
-        assert_close(ops.w4a16_linear(x, packed, k, scale, z, b), ref_weight_only(x, q, scale, z, b))
+        assert_close(wo4_ops.w4a16_linear(x, packed, k, scale, z, b), ref_weight_only(x, q, scale, z, b))
+
+
+# ---- W4A16 VNNI kernel (quant_wo_vnni4.h): x as 16-bit fixed point per row, exact integer dot products ----
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k,groups", [(576, 9), (1536, 24), (576, 1), (1000, 1)])
+def test_w4a16_vnni_with_outlier_activations(ops, dtype, k, groups):
+    """Activations with a few outliers 300x the rest (the fixed point's step is set by the largest): the VNNI
+    kernel stays within one rounding of the output, as the floating-point kernel does."""
+    x, q, scale, _, bias = operands(4, k, 64, groups, 4, k + groups, dtype)
+    x[:, 5] = 300.0
+    x[1, k // 2] = -450.0
+    ref = ref_weight_only(x, q, scale, None, bias)
+    for mode in (1, 0):
+        old = ops.set_wo4_vnni(mode)
+        try:
+            assert_close(ops.w4a16_linear(x, ops.w4a16_pack(q), k, scale, None, bias), ref)
+        finally:
+            ops.set_wo4_vnni(old)
+
+
+def test_w4a16_vnni_rows_do_not_depend_on_the_batch(ops):
+    """Each x row gets its own fixed-point step: a row computed alone equals it computed in a batch, bit for bit
+    (plain decode and speculative verification agree)."""
+    x, q, scale, _, _ = operands(5, 576, 40, 9, 4, 3, torch.bfloat16)
+    x[2] *= 1000.0  # a row with a much larger range must not change the others
+    packed = ops.w4a16_pack(q)
+    batch = ops.w4a16_linear(x, packed, 576, scale, None, None)
+    for i in range(5):
+        assert torch.equal(ops.w4a16_linear(x[i : i + 1], packed, 576, scale, None, None), batch[i : i + 1])
+
+
+def test_w4a16_vnni_zero_and_non_finite_rows(ops):
+    """An all-zero row gives exactly the bias; a NaN / inf in x reaches the output (the call falls back to the
+    floating-point kernel, as the reference would propagate it)."""
+    x, q, scale, _, bias = operands(3, 256, 12, 4, 4, 9, torch.bfloat16)
+    packed = ops.w4a16_pack(q)
+    x[0] = 0.0
+    assert torch.equal(ops.w4a16_linear(x, packed, 256, scale, None, bias)[0], bias)
+    x[1, 7] = float("nan")
+    x[2, 3] = float("inf")
+    y = ops.w4a16_linear(x, packed, 256, scale, None, bias)
+    assert torch.isnan(y[1]).all() and not torch.isfinite(y[2]).all()
 
 
 @pytest.mark.parametrize("bits", [8, 4])
