@@ -321,12 +321,15 @@ def test_decode_stack_call_w8a8_dynamic(ops):
 # int8): bit-trick weights, per-block offsets / end corrections, 64-byte chunks with a masked tail, group halves ----
 
 
-@pytest.fixture(params=["int8-dp", "default"])
+@pytest.fixture(params=["vnni", "int8-dp", "fma"])
 def bf16_ops(request, ops):
-    """The module with W8A16 routed through the VDPBF16PS kernel (off by default: slower on this CPU) or not."""
-    old = ops.set_wo_bf16_int8(1 if request.param == "int8-dp" else 0)
+    """The module with W8A16 on 16-bit x routed through the VNNI fixed-point kernel (the default), the VDPBF16PS
+    kernel (slower on this CPU, kept correct) or the FMA kernel (the default without VNNI)."""
+    old_vnni = ops.set_wo_vnni(1 if request.param == "vnni" else 0)
+    old_dp = ops.set_wo_bf16_int8(1 if request.param == "int8-dp" else 0)
     yield ops
-    ops.set_wo_bf16_int8(old)
+    ops.set_wo_bf16_int8(old_dp)
+    ops.set_wo_vnni(old_vnni)
 
 
 def extreme_operands(m: int, k: int, n: int, groups: int, bits: int, seed: int):
@@ -352,9 +355,9 @@ def test_w8a16_bf16_kernel(bf16_ops, m, k, groups):
 @pytest.fixture(params=["vnni", "bf16-dp"])
 def wo4_ops(request, ops):
     """The module with W4A16 on 16-bit x through the VNNI fixed-point kernel (default) or the VDPBF16PS one."""
-    old = ops.set_wo4_vnni(1 if request.param == "vnni" else 0)
+    old = ops.set_wo_vnni(1 if request.param == "vnni" else 0)
     yield ops
-    ops.set_wo4_vnni(old)
+    ops.set_wo_vnni(old)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
@@ -367,47 +370,55 @@ def test_w4a16_bf16_kernel(wo4_ops, m, k, groups):
         assert_close(wo4_ops.w4a16_linear(x, packed, k, scale, z, b), ref_weight_only(x, q, scale, z, b))
 
 
-# ---- W4A16 VNNI kernel (quant_wo_vnni4.h): x as 16-bit fixed point per row, exact integer dot products ----
+# ---- VNNI weight-only kernels (quant_wo_vnni.h): x as 16-bit fixed point per row, exact integer dot products ----
 
 
+def weight_only(ops, bits: int, x, q, scale, zero, bias):
+    """The W8A16 / W4A16 kernel on int8 values q."""
+    if bits == 8:
+        return ops.w8a16_linear(x, q, scale, zero, bias)
+    return ops.w4a16_linear(x, ops.w4a16_pack(q), q.shape[1], scale, zero, bias)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k,groups", [(576, 9), (1536, 24), (576, 1), (1000, 1)])
-def test_w4a16_vnni_with_outlier_activations(ops, dtype, k, groups):
+def test_vnni_with_outlier_activations(ops, bits, dtype, k, groups):
     """Activations with a few outliers 300x the rest (the fixed point's step is set by the largest): the VNNI
-    kernel stays within one rounding of the output, as the floating-point kernel does."""
-    x, q, scale, _, bias = operands(4, k, 64, groups, 4, k + groups, dtype)
+    kernels stay within one rounding of the output, as the floating-point kernels do."""
+    x, q, scale, _, bias = operands(4, k, 64, groups, bits, k + groups + bits, dtype)
     x[:, 5] = 300.0
     x[1, k // 2] = -450.0
     ref = ref_weight_only(x, q, scale, None, bias)
     for mode in (1, 0):
-        old = ops.set_wo4_vnni(mode)
+        old = ops.set_wo_vnni(mode)
         try:
-            assert_close(ops.w4a16_linear(x, ops.w4a16_pack(q), k, scale, None, bias), ref)
+            assert_close(weight_only(ops, bits, x, q, scale, None, bias), ref)
         finally:
-            ops.set_wo4_vnni(old)
+            ops.set_wo_vnni(old)
 
 
-def test_w4a16_vnni_rows_do_not_depend_on_the_batch(ops):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_vnni_rows_do_not_depend_on_the_batch(ops, bits):
     """Each x row gets its own fixed-point step: a row computed alone equals it computed in a batch, bit for bit
     (plain decode and speculative verification agree)."""
-    x, q, scale, _, _ = operands(5, 576, 40, 9, 4, 3, torch.bfloat16)
+    x, q, scale, _, _ = operands(5, 576, 40, 9, bits, 3, torch.bfloat16)
     x[2] *= 1000.0  # a row with a much larger range must not change the others
-    packed = ops.w4a16_pack(q)
-    batch = ops.w4a16_linear(x, packed, 576, scale, None, None)
+    batch = weight_only(ops, bits, x, q, scale, None, None)
     for i in range(5):
-        assert torch.equal(ops.w4a16_linear(x[i : i + 1], packed, 576, scale, None, None), batch[i : i + 1])
+        assert torch.equal(weight_only(ops, bits, x[i : i + 1], q, scale, None, None), batch[i : i + 1])
 
 
-def test_w4a16_vnni_zero_and_non_finite_rows(ops):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_vnni_zero_and_non_finite_rows(ops, bits):
     """An all-zero row gives exactly the bias; a NaN / inf in x reaches the output (the call falls back to the
     floating-point kernel, as the reference would propagate it)."""
-    x, q, scale, _, bias = operands(3, 256, 12, 4, 4, 9, torch.bfloat16)
-    packed = ops.w4a16_pack(q)
+    x, q, scale, _, bias = operands(3, 256, 12, 4, bits, 9, torch.bfloat16)
     x[0] = 0.0
-    assert torch.equal(ops.w4a16_linear(x, packed, 256, scale, None, bias)[0], bias)
+    assert torch.equal(weight_only(ops, bits, x, q, scale, None, bias)[0], bias)
     x[1, 7] = float("nan")
     x[2, 3] = float("inf")
-    y = ops.w4a16_linear(x, packed, 256, scale, None, bias)
+    y = weight_only(ops, bits, x, q, scale, None, bias)
     assert torch.isnan(y[1]).all() and not torch.isfinite(y[2]).all()
 
 
@@ -429,14 +440,15 @@ def test_weight_only_bf16_offset_cancels(bf16_ops, bits):
 
 
 def test_bf16_kernel_paths_agree_with_fp32_path(ops):
-    """The VDPBF16PS int8 kernel, the FMA int8 kernel and the portable path give the same bf16 results (to rounding)."""
+    """The VNNI, VDPBF16PS and FMA int8 kernels and the portable path give the same bf16 results (to rounding)."""
     x, q, scale, zero, bias = extreme_operands(3, 320, 40, 5, 8, 5)
     ys = []
-    for dp, generic in ((1, 0), (0, 0), (0, 1)):
-        old_dp, old_gen = ops.set_wo_bf16_int8(dp), ops.set_force_generic(generic)
+    for vnni, dp, generic in ((1, 0, 0), (0, 1, 0), (0, 0, 0), (0, 0, 1)):
+        old_v, old_dp, old_gen = ops.set_wo_vnni(vnni), ops.set_wo_bf16_int8(dp), ops.set_force_generic(generic)
         try:
             ys.append(ops.w8a16_linear(x, q, scale, zero, bias))
         finally:
+            ops.set_wo_vnni(old_v)
             ops.set_wo_bf16_int8(old_dp)
             ops.set_force_generic(old_gen)
     ref = ref_weight_only(x, q, scale, zero, bias)

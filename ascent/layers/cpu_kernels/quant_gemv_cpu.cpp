@@ -9,11 +9,12 @@
 //   compressed-tensors ``weight_packed`` int32 [N, K/8] (little endian), so that tensor is used without a copy.
 //   x is de-interleaved once per call (per 32 columns: the even ones, then the odd ones) so one 16-byte load feeds
 //   two 16-lane FMAs. Same scale / zero math as W8A16.
-//   16-bit x: W4A16 on AVX512-VNNI makes each x row 16-bit fixed point and sums exactly in int32 (VPDPBUSD,
-//   quant_wo_vnni4.h; any valid group size; a row with a NaN / inf takes the next kernel). Otherwise (64-byte
-//   weight chunks, up to 4 rows of x per pass, bit-trick weight decoding, no int -> float converts): W4A16 with bf16
-//   x on AVX512-BF16 uses VDPBF16PS (quant_wo_bf16.h; G = 1 or groups of a multiple of 64 columns); W8A16 with bf16 / fp16 x uses fp32 FMAs on weights 1 + u / 256 (quant_wo_fma8.h; G = 1 or groups
-//   of a multiple of 128). Otherwise x is widened to fp32 and the weights converted to fp32 (quant_wo_blocks.h).
+//   16-bit x: on AVX512-VNNI each x row becomes 16-bit fixed point and the sums are exact in int32 (VPDPBUSD,
+//   quant_wo_vnni.h; int4: any valid group size, int8: G = 1 or groups of a multiple of 4 columns; x with a NaN /
+//   inf takes the next kernel). Otherwise (64-byte weight chunks, up to 4 rows of x per pass, bit-trick weight
+//   decoding, no int -> float converts): W4A16 with bf16 x on AVX512-BF16 uses VDPBF16PS (quant_wo_bf16.h; G = 1 or
+//   groups of a multiple of 64 columns); W8A16 with bf16 / fp16 x uses fp32 FMAs on weights 1 + u / 256
+//   (quant_wo_fma8.h; G = 1 or groups of a multiple of 128). Otherwise x is widened to fp32 and the weights converted to fp32 (quant_wo_blocks.h).
 // * w8a8_dynamic_linear: per-token symmetric int8 quantization of x with the rounding of the torch reference
 //   (s = max|x| / 127, q = clamp(nearbyint(x / s), -128, 127), all-zero rows s = 0), exact int32 x_q . W_q
 //   (AVX512-VNNI u8 x s8 with u = q + 128 and the weight row sums as correction), y = acc * s_x * s_w (+ bias).
@@ -173,7 +174,7 @@ struct Store {
 #include "quant_wo_blocks.h"
 #include "quant_wo_bf16.h"
 #include "quant_wo_fma8.h"
-#include "quant_wo_vnni4.h"
+#include "quant_wo_vnni.h"
 #include "quant_int8_blocks.h"
 
 // [M, G] fp32 sums of x over each group of K / G columns (the zero-point term), empty without zero points.
@@ -199,12 +200,13 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
   const bool has_zero = zero.has_value() && zero->defined();
   if (has_zero) check_vec(*zero, "zero", n_out * groups, at::kFloat);
   const float* zp = has_zero ? zero->data_ptr<float>() : nullptr;
-  thread_local Wo4VnniScratch scratch4;  // the workers read it during this call only
-  Wo4VnniArgs v{static_cast<const uint8_t*>(base.w), base.ldw, (base.ldw + 63) / 64, nullptr, nullptr, nullptr,
-                base.scale, groups, nullptr, nullptr};
-  const bool vnni4 = int4 && wo4_vnni_applies(x) && wo4_vnni_prepare(x, k, groups, v, scratch4);
-  const bool bf16 = !vnni4 && wo_bf16_applies(x, int4, groups, k / groups);
-  const bool fma8 = !int4 && !bf16 && wo8_fma_applies(x, groups, k / groups);
+  thread_local WoVnniScratch scratch_v;  // the workers read it during this call only
+  WoVnniArgs v{static_cast<const uint8_t*>(base.w), base.ldw, (base.ldw + 63) / 64, nullptr, nullptr, nullptr,
+               base.scale, groups, nullptr, nullptr};
+  const bool vnni = wo_vnni_applies(x, int4, groups, k / groups) &&
+                    (int4 ? wo_vnni_prepare<4>(x, k, groups, v, scratch_v) : wo_vnni_prepare<8>(x, k, groups, v, scratch_v));
+  const bool bf16 = !vnni && wo_bf16_applies(x, int4, groups, k / groups);
+  const bool fma8 = !int4 && !vnni && !bf16 && wo8_fma_applies(x, groups, k / groups);
   const std::vector<float> xsum = x_group_sums(x, groups, has_zero || fma8);
   WoArgs a = base;
   std::vector<float> xf;
@@ -227,14 +229,14 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
   const std::vector<float> bv = float_bias(bias, n_out);
   auto out = at::empty({m_rows, n_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const Store store{out.data_ptr(), out.scalar_type(), n_out};
-  const int64_t m_step = vnni4 ? 1 : (bf16 || fma8 ? kBf16MaxM : 2);
+  const int64_t m_step = vnni ? kVnniMaxM : (bf16 || fma8 ? kBf16MaxM : 2);
   parallel_rows(n_out, [&](int64_t begin, int64_t end) {
     float acc[kBf16MaxM * kRowBlock];
     for (int64_t n = begin; n < end; n += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, end - n);
       for (int64_t m0 = 0; m0 < m_rows; m0 += m_step) {
         const int64_t mb = std::min(m_step, m_rows - m0);
-        if (vnni4) wo4_vnni_block(v, n, rows, m0, acc);
+        if (vnni) wo_vnni_block(v, int4, n, rows, m0, mb, acc);
         else if (bf16) wo_bf16_block(b, int4, n, rows, m0, mb, acc);
         else if (fma8) wo8_fma_block(f, n, rows, m0, mb, acc);
         else wo_block(a, int4, n, rows, m0, mb, acc);
@@ -385,10 +387,10 @@ int64_t set_wo_bf16_int8(int64_t value) {
   return old;
 }
 
-// Tests: W4A16 with 16-bit x through the VNNI fixed-point kernel (1, default) or the VDPBF16PS one (0).
-int64_t set_wo4_vnni(int64_t value) {
-  const int64_t old = g_wo4_vnni;
-  g_wo4_vnni = static_cast<int>(value);
+// Tests: weight-only with 16-bit x through the VNNI fixed-point kernels (1, default) or the floating-point ones (0).
+int64_t set_wo_vnni(int64_t value) {
+  const int64_t old = g_wo_vnni;
+  g_wo_vnni = static_cast<int>(value);
   return old;
 }
 
@@ -414,7 +416,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "w8a8_static_linear(x, weight, row_sum, input_scale, input_offset, deq f32 [N], quant_bias i32 [N], bias)");
   m.def("set_force_generic", &ascent_quant::set_force_generic, "set_force_generic(1|0) -> previous");
   m.def("set_wo_bf16_int8", &ascent_quant::set_wo_bf16_int8, "set_wo_bf16_int8(1|0) -> previous (tests)");
-  m.def("set_wo4_vnni", &ascent_quant::set_wo4_vnni, "set_wo4_vnni(1|0) -> previous (tests)");
+  m.def("set_wo_vnni", &ascent_quant::set_wo_vnni, "set_wo_vnni(1|0) -> previous (tests)");
   m.def("isa", &ascent_quant::isa, "isa() -> the instruction set the kernels use");
 }
 #endif  // ASCENT_EMBEDDED_KERNELS
