@@ -19,7 +19,11 @@
 
 namespace {
 
-constexpr int64_t kRowGrain = 16;  // rows per parallel chunk: small batches stay on the calling thread
+// Rows per parallel chunk for a row kernel doing `cost` element operations per row (SiLU counts its exp as ~8): a
+// chunk is at least kChunkWork of them (a few microseconds, well above a pool wake-up), so batches of a few rows
+// stay on the calling thread and larger ones split.
+constexpr int64_t kChunkWork = 8192;
+inline int64_t row_grain(int64_t cost) { return std::max<int64_t>(1, kChunkWork / std::max<int64_t>(cost, 1)); }
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
@@ -73,7 +77,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, row_grain(2 * h), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         if constexpr (std::is_same_v<scalar_t, bf16>) {
           if (has_avx512()) {
@@ -106,7 +110,7 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& resi
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     scalar_t* sp = sum.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, row_grain(2 * h), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         scalar_t* srow = sp + i * h;
         if constexpr (std::is_same_v<scalar_t, bf16>) {
@@ -141,7 +145,7 @@ void rotary_(at::Tensor& x, const at::Tensor& cos_sin, int64_t head_size, int64_
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_", [&] {
     scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* cp = cos_sin.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, row_grain(heads * rotary_dim), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* cosr = cp + t * cs;
         const scalar_t* sinr = cosr + rotary_dim;
@@ -178,7 +182,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, row_grain(8 * d), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const scalar_t* g = xp + i * xs;
         if constexpr (std::is_same_v<scalar_t, bf16>) {
