@@ -45,8 +45,13 @@ INT4PACK_GROUP_SIZES = (256, 128, 64, 32)
 #   M=4: 20.7 | 15.0 vs 21.5 | 17.1 vs 12.0 | 9.2 vs 23.1;  M=8: 21.3 | 30.8 vs 35.0 | 32.9 vs 20.8 | 15.8 vs 26.5.
 # Cache-resident (one layer, 2 threads) at M=16: w8a8 kernel 0.33 vs 0.43 ms. Crossovers: W8A8 16, W8A16 4 (dense
 # bf16 above), W4A16 1 (int4pack at M=2, dense above).
+# With the VNNI fixed-point weight-only kernels (quant_wo_vnni.h), same 30 layers, 2 threads, bf16 x, interleaved
+# medians, ms (W8A16 per channel, W4A16 group 64):
+#   M=1: dense 15.9 | w8a16 5.3 | w4a16 3.7 vs int4pack 8.5;  M=2: 13.1 | 5.5 | 4.3 vs 7.7;
+#   M=3: 13.2 | 7.6 | 6.3 vs 8.8;  M=4: 13.2 | 8.1 | 7.0 vs 9.7;  M=8: 13.0 | 13.9 | 12.6 vs 14.9.
+# Crossovers: W8A16 4, W4A16 4 (a verification step of a few drafts stays on the kernels).
 INT8_GEMV_MAX_M = 16
-WEIGHT_ONLY_GEMV_MAX_M = {8: 4, 4: 1}
+WEIGHT_ONLY_GEMV_MAX_M = {8: 4, 4: 4}
 GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ``decode_stack_call`` kinds (``models/decode_stack.py`` LinearSpec = (kind, tensors, ints); kind 0 is the dense
 # bf16 small-M kernel): the C++ stack can include quant_gemv_cpu.cpp (ASCENT_EMBEDDED_KERNELS) and call
