@@ -14,7 +14,8 @@
 //   inf takes the next kernel). Otherwise (64-byte weight chunks, up to 4 rows of x per pass, bit-trick weight
 //   decoding, no int -> float converts): W4A16 with bf16 x on AVX512-BF16 uses VDPBF16PS (quant_wo_bf16.h; G = 1 or
 //   groups of a multiple of 64 columns); W8A16 with bf16 / fp16 x uses fp32 FMAs on weights 1 + u / 256
-//   (quant_wo_fma8.h; G = 1 or groups of a multiple of 128). Otherwise x is widened to fp32 and the weights converted to fp32 (quant_wo_blocks.h).
+//   (quant_wo_fma8.h; G = 1 or groups of a multiple of 128). Otherwise x is widened to fp32 and the weights
+//   converted to fp32 (quant_wo_blocks.h).
 // * w8a8_dynamic_linear: per-token symmetric int8 quantization of x with the rounding of the torch reference
 //   (s = max|x| / 127, q = clamp(nearbyint(x / s), -128, 127), all-zero rows s = 0), exact int32 x_q . W_q
 //   (AVX512-VNNI u8 x s8 with u = q + 128 and the weight row sums as correction), y = acc * s_x * s_w (+ bias).
@@ -204,7 +205,8 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
   WoVnniArgs v{static_cast<const uint8_t*>(base.w), base.ldw, (base.ldw + 63) / 64, nullptr, nullptr, nullptr,
                base.scale, groups, nullptr, nullptr};
   const bool vnni = wo_vnni_applies(x, int4, groups, k / groups) &&
-                    (int4 ? wo_vnni_prepare<4>(x, k, groups, v, scratch_v) : wo_vnni_prepare<8>(x, k, groups, v, scratch_v));
+                    (int4 ? wo_vnni_prepare<4>(x, k, groups, v, scratch_v)
+                          : wo_vnni_prepare<8>(x, k, groups, v, scratch_v));
   const bool bf16 = !vnni && wo_bf16_applies(x, int4, groups, k / groups);
   const bool fma8 = !int4 && !vnni && !bf16 && wo8_fma_applies(x, groups, k / groups);
   const std::vector<float> xsum = x_group_sums(x, groups, has_zero || fma8);

@@ -18,8 +18,9 @@
 // the block and the fp32 accumulators carry only x . q (no growth with K or with a non-zero mean of x).
 // VDPBF16PS multiplies bf16 pairs exactly and adds in fp32 (round to nearest even, denormal inputs read as zero):
 // the result is an fp32 dot product in another order, like the fp32 kernels.
-// Used for int4 (the default W4A16 path with bf16 x); the int8 variant is slower than quant_wo_fma8.h on this CPU
-// (see wo_bf16_applies) and only runs when a test asks for it.
+// Used for int4 with bf16 x where the VNNI fixed-point kernel (quant_wo_vnni.h, ~1.5x faster here) does not apply
+// or is switched off; the int8 variant is slower than quant_wo_fma8.h on this CPU (see wo_bf16_applies) and only
+// runs when a test asks for it.
 // Scales: G = 1 or groups of gs columns with gs % (BW / 2) == 0: lanes 0-7 of a block are its first half, lanes
 // 8-15 the second, so one fma per span of blocks applies [s(first half) x 8, s(second half) x 8].
 #pragma once

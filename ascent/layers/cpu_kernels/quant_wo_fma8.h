@@ -1,6 +1,7 @@
-// W8A16 kernel for 16-bit (bf16 / fp16) activations on AVX512: int8 weights become fp32 by bit operations only;
-// included by quant_gemv_cpu.cpp inside namespace ascent_quant's anonymous namespace, after quant_wo_bf16.h (it
-// shares WoBf16Args' chunk / span / scale layout and the chain count).
+// W8A16 kernel for 16-bit (bf16 / fp16) activations on AVX512 without VNNI (or with quant_wo_vnni.h switched off /
+// not applicable): int8 weights become fp32 by bit operations only; included by quant_gemv_cpu.cpp inside namespace
+// ascent_quant's anonymous namespace, after quant_wo_bf16.h (it shares WoBf16Args' chunk / span / scale layout and
+// the chain count).
 //
 // A 64-byte chunk of a weight row, read as 16 dwords d = b0 | b1 << 8 | b2 << 16 | b3 << 24, gives four fp32
 // vectors: phase p takes byte bp to bits 15..22 (d << 15, d << 7, d >> 1, d >> 9), keeps those bits and xors in

@@ -13,11 +13,12 @@
 // VPDPBUSD sums u * hi and u * lo exactly in int32. Per chunk t = 256 * (u . hi) + (u . lo) - O * sum(x^ over the
 // lane's columns) (O = 8 / 128; exact in int32: |t| < 2^23 for int4, so its fp32 conversion is exact too; < 2^26 for
 // int8), then y += t * scale(lane's group) in fp32 (a lane lies inside one group: the group size is a multiple of
-// the lane's columns) and finally y * 2^e. Four VPDPBUSD and three integer ops per 128 weights, against four VDPBF16PS slowed by their
-// bit-trick operands on this CPU (quant_wo_bf16.h). Measured, SmolLM2-135M shapes, bf16 x, group 64, M = 1: per
-// call 1.4-1.6x faster on 1 thread (gate_up 99 -> 62 us, lm_head 1.51 -> 1.01 ms); a W4A16 decode step (2 threads)
-// 5.8 -> 4.8 ms. Accuracy on real SmolLM2 activations (max/median up to 1500): the same error distribution against
-// an fp64 reference as the VDPBF16PS kernel (both set by the bf16 output rounding).
+// the lane's columns) and finally y * 2^e. int4: four VPDPBUSD and three integer ops per 128 weights, against four
+// VDPBF16PS slowed by their bit-trick operands on this CPU (quant_wo_bf16.h); int8: one xor and two VPDPBUSD per 64.
+// Measured, SmolLM2-135M shapes, bf16 x, M = 1: W4A16 (group 64) per call 1.4-1.6x faster on 1 thread (gate_up
+// 99 -> 62 us, lm_head 1.51 -> 1.01 ms), a W4A16 decode step (2 threads) 5.8 -> 4.8 ms; W8A16 (per channel) 30
+// layers + head 4.98 -> 4.07 ms (2 threads). Accuracy on real SmolLM2 activations (max/median up to 1500): the same
+// error distribution against an fp64 reference as the VDPBF16PS kernel (both set by the bf16 output rounding).
 // Rows of x are prepared independently (own step, own buffers): a row's output does not depend on the batch.
 #pragma once
 
@@ -103,7 +104,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m51
   const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(f, inv));  // round to nearest even: nearbyint
   const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(128)), 8);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_hi), _mm512_cvtepi32_epi8(hi));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_lo), _mm512_cvtepi32_epi8(_mm512_sub_epi32(v, _mm512_slli_epi32(hi, 8))));
+  const __m512i lo = _mm512_sub_epi32(v, _mm512_slli_epi32(hi, 8));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_lo), _mm512_cvtepi32_epi8(lo));
   return v;
 }
 
@@ -126,7 +128,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void wo_vnni_fill_bf16(cons
       const __m512i even = split16(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), inv, chunk, chunk + 128);
       const __m512i odd = split16(_mm512_castsi512_ps(_mm512_and_si512(v, high)), inv, chunk + 64, chunk + 192);
       _mm512_store_si512(sums, _mm512_add_epi32(even, odd));
-      for (int q = 0; q < 4; ++q) c[q] -= G::kOffset * (sums[4 * q] + sums[4 * q + 1] + sums[4 * q + 2] + sums[4 * q + 3]);
+      for (int q = 0; q < 4; ++q)
+        c[q] -= G::kOffset * (sums[4 * q] + sums[4 * q + 1] + sums[4 * q + 2] + sums[4 * q + 3]);
     } else {  // columns j .. j + 15, then j + 16 .. j + 31 (lanes of 4 columns)
       for (int half = 0; half < 2; ++half) {
         const __m512i wide = _mm512_cvtepu16_epi32(half ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v));
