@@ -51,6 +51,13 @@ INT4PACK_GROUP_SIZES = (256, 128, 64, 32)
 #   M=3: 13.2 | 7.6 | 6.3 vs 8.8;  M=4: 13.2 | 8.1 | 7.0 vs 9.7;  M=8: 13.0 | 13.9 | 12.6 vs 14.9.
 # Crossovers: W8A16 4, W4A16 4 (a verification step of a few drafts stays on the kernels).
 INT8_GEMV_MAX_M = 16
+# W8A8 dynamic on AMX-INT8 tiles (quant_amx_int8.h; bit-identical to the VNNI kernel), same 30 layers, 2 threads,
+# bf16 x, interleaved medians, ms (VNNI kernel | AMX-INT8 | quantize + _int_mm):
+#   M=1: 5.6 | 4.9 | 15.8;  M=4: 6.8 | 5.2 | 17.6;  M=16: 15.8 | 6.6 | 20.6;  M=32: 26.8 | 8.5 | 26.4;
+#   M=64: 50.5 | 12.4 | 33.5;  M=128: 100.6 | 20.4 | 50.9.
+# AMX-INT8 takes every M up to INT8_AMX_MAX_M when the CPU has it (its x quantization runs on one thread: prefill-
+# sized M goes to _int_mm).
+INT8_AMX_MAX_M = 256
 WEIGHT_ONLY_GEMV_MAX_M = {8: 4, 4: 4}
 GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ``decode_stack_call`` kinds (``models/decode_stack.py`` LinearSpec = (kind, tensors, ints); kind 0 is the dense
@@ -60,7 +67,9 @@ GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #   3 W8A8 dynamic: ascent_quant::w8a8_dynamic_linear(x, weight, row_sum, w_scale, bias?)
 #                                                                      tensors [weight, row_sum, w_scale, bias]
 # (an empty tensor stands for an absent optional operand).
-STACK_KIND_W8A16, STACK_KIND_W4A16, STACK_KIND_W8A8_DYNAMIC = 1, 2, 3
+#   4 W8A8 dynamic on AMX-INT8: ascent_quant::w8a8_dynamic_linear_amx(x, packed, w_scale, bias?)
+#                                                                      tensors [packed, w_scale, bias, unused]
+STACK_KIND_W8A16, STACK_KIND_W4A16, STACK_KIND_W8A8_DYNAMIC, STACK_KIND_W8A8_DYNAMIC_AMX = 1, 2, 3, 4
 StackSpec = tuple[int, list[torch.Tensor], list[int]]
 
 
@@ -256,6 +265,38 @@ def prepare_int8_gemv(weight: torch.Tensor) -> Int8Gemv | None:
         return None
     w = weight.contiguous()
     return Int8Gemv(ops, w, w.sum(dim=1, dtype=torch.int32))
+
+
+@dataclass
+class Int8Amx:
+    """AMX-INT8 operands of W8A8: ``packed`` int8 [N/16, K/64, 16, 64] (``w8a8_amx_pack`` of the [N, K] weight; a
+    second copy of the weight, counted by ``cpu_packing.limit_dual_layouts``)."""
+
+    ops: ModuleType
+    packed: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    def stack_spec(self, w_scale: torch.Tensor, bias: torch.Tensor | None) -> StackSpec:
+        """The decode-stack call (:data:`STACK_KIND_W8A8_DYNAMIC_AMX`)."""
+        return STACK_KIND_W8A8_DYNAMIC_AMX, [self.packed, w_scale, _or_empty(bias, w_scale), _or_empty(None, w_scale)], []
+
+    def linear(self, x: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """:func:`int8_linear_dynamic` (bit-identical) on AMX-INT8 tiles."""
+        return self.ops.w8a8_dynamic_linear_amx(x, self.packed, w_scale, bias)
+
+
+def prepare_int8_amx(weight: torch.Tensor) -> Int8Amx | None:
+    """AMX-INT8 operands for an int8 ``weight [N, K]``; None without the kernels or AMX-INT8 (or ``ASCENT_CPU_AMX=0``),
+    or when N % 16 or K % 64."""
+    ops = gemv_module(weight)
+    if ops is None or os.environ.get("ASCENT_CPU_AMX", "1") == "0" or not ops.amx_int8_available():
+        return None
+    if weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 64:
+        return None
+    return Int8Amx(ops, ops.w8a8_amx_pack(weight.contiguous()))
 
 
 def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

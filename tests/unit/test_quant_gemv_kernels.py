@@ -226,7 +226,8 @@ def test_w8a8_dynamic_scheme_kernel_path(ops, dtype):
           "weight_scale": torch.rand(N_OUT, 1, generator=g) * 0.01}
     layer = build(QuantSpec("W8A8_DYNAMIC"), ck, bias=True)
     assert layer.w8a8_gemv is not None
-    for m in (1, 3, kernels.INT8_GEMV_MAX_M):
+    assert (layer.w8a8_amx is not None) == ops.amx_int8_available()
+    for m in (1, 3, kernels.INT8_GEMV_MAX_M, 40, kernels.INT8_AMX_MAX_M + 1):
         x = torch.randn(m, K_IN, generator=gen(m)).to(dtype)
         fast = kernels.int8_linear_dynamic(x, layer.w8a8_w_t, layer.w8a8_ws, layer.bias)
         assert torch.equal(layer(x), fast)
@@ -293,6 +294,9 @@ def run_stack_spec(ops, spec, x: torch.Tensor) -> torch.Tensor:
     if kind == kernels.STACK_KIND_W8A8_DYNAMIC:
         w, rs, ws, b = tensors
         return ops.w8a8_dynamic_linear(x, w, rs, ws, opt(b))
+    if kind == kernels.STACK_KIND_W8A8_DYNAMIC_AMX:
+        wp, ws, b, _ = tensors
+        return ops.w8a8_dynamic_linear_amx(x, wp, ws, opt(b))
     w, scale, zero, b = tensors
     if kind == kernels.STACK_KIND_W8A16:
         return ops.w8a16_linear(x, w, scale, opt(zero), opt(b))
@@ -454,3 +458,62 @@ def test_bf16_kernel_paths_agree_with_fp32_path(ops):
     ref = ref_weight_only(x, q, scale, zero, bias)
     for y in ys:
         assert_close(y, ref)
+
+
+# ---- W8A8 dynamic on AMX-INT8 tiles (quant_amx_int8.h): bit-identical to the VNNI kernel and the torch path ----
+
+needs_amx_int8 = pytest.mark.skipif(not (quant_ops() and quant_ops().amx_int8_available()),
+                                    reason="the CPU has no AMX-INT8 (the VNNI kernel serves W8A8 then)")
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (17, 576, 960), (33, 1536, 48), (64, 192, 80), (100, 128, 32)])
+def test_w8a8_amx_kernel_bit_identical(ops, dtype, m, k, n):
+    g = gen(m * 7 + k + n)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01 + 1e-3
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    x[0] = 0.0  # an all-zero row: s_x = 0
+    bias = torch.randn(n, generator=g).to(dtype)
+    packed = ops.w8a8_amx_pack(w)
+    for b in (None, bias):
+        y = ops.w8a8_dynamic_linear_amx(x, packed, scale, b)
+        assert torch.equal(y, kernels.int8_linear_dynamic(x, w.t(), scale, b))
+        assert torch.equal(y, ops.w8a8_dynamic_linear(x, w, w.sum(1, dtype=torch.int32), scale, b))
+
+
+@needs_amx_int8
+def test_w8a8_amx_pack_layout_and_shape_checks(ops):
+    w = torch.randint(-128, 128, (32, 128), generator=gen(2), dtype=torch.int8)
+    packed = ops.w8a8_amx_pack(w)
+    assert packed.shape == (2, 2, 16, 64)
+    for nb, kb, r, c, t in ((0, 0, 0, 0, 0), (1, 1, 15, 15, 3), (1, 0, 3, 7, 2), (0, 1, 9, 12, 1)):
+        assert packed[nb, kb, r, 4 * c + t] == w[16 * nb + c, 64 * kb + 4 * r + t]
+    with pytest.raises(RuntimeError, match="N % 16"):
+        ops.w8a8_amx_pack(w[:24])
+    with pytest.raises(RuntimeError, match="K % 64"):
+        ops.w8a8_amx_pack(w[:, :96].contiguous())
+    with pytest.raises(RuntimeError, match="w8a8_amx_pack"):
+        ops.w8a8_dynamic_linear_amx(torch.randn(2, 128), w, torch.ones(32), None)
+
+
+@needs_amx_int8
+def test_w8a8_amx_copy_counts_in_the_dual_layout_budget(ops):
+    """The AMX-INT8 tiles are a second copy of the weight: over the budget they are released and the layer falls
+    back to the VNNI kernel with the same outputs."""
+    from torch import nn
+
+    from ascent.layers.cpu_packing import limit_dual_layouts
+
+    ck = {"weight": torch.randint(-128, 128, (N_OUT, K_IN), generator=gen(4), dtype=torch.int8),
+          "weight_scale": torch.rand(N_OUT, 1, generator=gen(5)) * 0.01}
+    layer = build(QuantSpec("W8A8_DYNAMIC"), ck, bias=True)
+    model = nn.Sequential(layer)
+    x = torch.randn(8, K_IN, generator=gen(6)).bfloat16()
+    before = layer(x)
+    assert limit_dual_layouts(model, budget_bytes=N_OUT * K_IN) == N_OUT * K_IN
+    assert layer.w8a8_amx is not None
+    assert limit_dual_layouts(model, budget_bytes=N_OUT * K_IN - 1) == 0
+    assert layer.w8a8_amx is None
+    assert torch.equal(layer(x), before)

@@ -26,6 +26,8 @@
 // another source (decode_stack_cpu.cpp) can include this file and call ascent_quant::w8a8_dynamic_linear etc.
 #include <torch/extension.h>
 
+#include "amx_tiles.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -177,6 +179,7 @@ struct Store {
 #include "quant_wo_fma8.h"
 #include "quant_wo_vnni.h"
 #include "quant_int8_blocks.h"
+#include "quant_amx_int8.h"
 
 // [M, G] fp32 sums of x over each group of K / G columns (the zero-point term), empty without zero points.
 std::vector<float> x_group_sums(const at::Tensor& x, int64_t groups, bool needed) {
@@ -303,18 +306,14 @@ at::Tensor w4a16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_
   return like_x(weight_only_linear(x, a, /*int4=*/true, k, n, zero, bias), x_in);
 }
 
-// Dynamic W8A8: y = (q_x . W_q) * s_x[m] * w_scale[n] (+ bias), q_x / s_x per-token symmetric int8 (torch rounding).
-at::Tensor w8a8_dynamic_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& row_sum,
-                               const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
-  check_int8_weight(weight, row_sum);
-  const int64_t n = weight.size(0), k = weight.size(1), ldx = (k + 63) / 64 * 64;
-  const at::Tensor x = rows_of(x_in, k);
+// Per-token symmetric int8 quantization of x [M, K] with the torch reference's rounding (s = max|x| / 127, q =
+// clamp(nearbyint(x / s), -128, 127), all-zero rows s = 0): xq [M, ldx] as stored(q, vnni), zero padded; sx [M].
+void quantize_rows_dynamic(const at::Tensor& x, int64_t k, int64_t ldx, bool vnni, std::vector<uint8_t>& xq,
+                           std::vector<float>& sx) {
   const int64_t m_rows = x.size(0);
-  check_vec(w_scale, "w_scale", n, at::kFloat);
-  const bool vnni = use_vnni();
   const std::vector<float> xf = float_rows(x, k);
-  std::vector<uint8_t> xq(static_cast<size_t>(m_rows * ldx), 0);
-  std::vector<float> sx(static_cast<size_t>(m_rows));
+  xq.assign(static_cast<size_t>(m_rows * ldx), 0);
+  sx.assign(static_cast<size_t>(m_rows), 0.f);
   for (int64_t m = 0; m < m_rows; ++m) {
     const float* p = xf.data() + m * k;
     float amax = 0.f;
@@ -333,6 +332,19 @@ at::Tensor w8a8_dynamic_linear(const at::Tensor& x_in, const at::Tensor& weight,
       xq[m * ldx + j] = stored(static_cast<int32_t>(std::min(127.f, std::max(-128.f, std::nearbyint(p[j] / div)))),
                                vnni);
   }
+}
+
+// Dynamic W8A8: y = (q_x . W_q) * s_x[m] * w_scale[n] (+ bias), q_x / s_x per-token symmetric int8 (torch rounding).
+at::Tensor w8a8_dynamic_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& row_sum,
+                               const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
+  check_int8_weight(weight, row_sum);
+  const int64_t n = weight.size(0), k = weight.size(1), ldx = (k + 63) / 64 * 64;
+  const at::Tensor x = rows_of(x_in, k);
+  check_vec(w_scale, "w_scale", n, at::kFloat);
+  const bool vnni = use_vnni();
+  std::vector<uint8_t> xq;
+  std::vector<float> sx;
+  quantize_rows_dynamic(x, k, ldx, vnni, xq, sx);
   const std::vector<float> b = float_bias(bias, n);
   const float* ws = w_scale.data_ptr<float>();
   return like_x(int8_linear(x, xq, ldx, vnni, weight, row_sum.data_ptr<int32_t>(), [&](int64_t m, int64_t j,
@@ -340,6 +352,38 @@ at::Tensor w8a8_dynamic_linear(const at::Tensor& x_in, const at::Tensor& weight,
     const float y = static_cast<float>(acc) * sx[m] * ws[j];
     return b.empty() ? y : y + b[j];
   }), x_in);
+}
+
+bool amx_int8_available() { return amx_int8_usable(); }
+
+// int8 W [N, K] -> the AMX-INT8 packed layout (quant_amx_int8.h).
+at::Tensor w8a8_amx_pack(const at::Tensor& w) {
+  check_weight(w, at::kChar);
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n % 16 == 0 && k % 64 == 0, "w8a8_amx_pack: needs N % 16 == 0 and K % 64 == 0, got ", w.sizes());
+  return w.view({n / 16, 16, k / 64, 16, 4}).permute({0, 2, 3, 1, 4}).contiguous().view({n / 16, k / 64, 16, 64});
+}
+
+// w8a8_dynamic_linear (bit-identical) on AMX-INT8 tiles: wp = w8a8_amx_pack(W).
+at::Tensor w8a8_dynamic_linear_amx(const at::Tensor& x_in, const at::Tensor& wp, const at::Tensor& w_scale,
+                                   const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_int8_usable(), "w8a8_dynamic_linear_amx: AMX-INT8 is not available");
+  TORCH_CHECK(wp.scalar_type() == at::kChar && wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 64 &&
+                  wp.is_contiguous(), "w8a8_dynamic_linear_amx: wp must come from w8a8_amx_pack");
+  const int64_t n = wp.size(0) * 16, k = wp.size(1) * 64;
+  const at::Tensor x = rows_of(x_in, k);
+  check_vec(w_scale, "w_scale", n, at::kFloat);
+  std::vector<uint8_t> xq;
+  std::vector<float> sx;
+  quantize_rows_dynamic(x, k, k, /*vnni=*/false, xq, sx);
+  const std::vector<float> b = float_bias(bias, n);
+  auto out = at::empty({x.size(0), n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const AmxI8Operands o{reinterpret_cast<const int8_t*>(xq.data()), k, wp.data_ptr<int8_t>(), k / 64, n, sx.data(),
+                        w_scale.data_ptr<float>(), b.empty() ? nullptr : b.data(), out.scalar_type(),
+                        out.data_ptr()};
+  const int64_t m = x.size(0), pairs = (n / 16 + 1) / 2;
+  if (m > 0) at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { amx_i8_pairs(o, m, begin, end); });
+  return like_x(out, x_in);
 }
 
 // Static W8A8: q_x = clamp(nearbyint(x / s_x + z_x)), y = (q_x . W_q + quant_bias[n]) * deq[n] (+ bias).
@@ -414,6 +458,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "w4a16_linear(x [...,K], packed uint8, K, scale f32 [N,G], zero, bias) -> [...,N]");
   m.def("w8a8_dynamic_linear", &ascent_quant::w8a8_dynamic_linear,
         "w8a8_dynamic_linear(x [...,K], weight int8 [N,K], row_sum i32 [N], w_scale f32 [N], bias)");
+  m.def("amx_int8_available", &ascent_quant::amx_int8_available, "amx_int8_available() -> AMX-INT8 usable");
+  m.def("w8a8_amx_pack", &ascent_quant::w8a8_amx_pack, "w8a8_amx_pack(W int8 [N,K]) -> [N/16, K/64, 16, 64]");
+  m.def("w8a8_dynamic_linear_amx", &ascent_quant::w8a8_dynamic_linear_amx,
+        "w8a8_dynamic_linear_amx(x [...,K], wp, w_scale f32 [N], bias) -> [...,N] (bit-identical to the VNNI one)");
   m.def("w8a8_static_linear", &ascent_quant::w8a8_static_linear,
         "w8a8_static_linear(x, weight, row_sum, input_scale, input_offset, deq f32 [N], quant_bias i32 [N], bias)");
   m.def("set_force_generic", &ascent_quant::set_force_generic, "set_force_generic(1|0) -> previous");

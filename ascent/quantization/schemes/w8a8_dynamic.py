@@ -2,8 +2,9 @@
 
 Checkpoint: ``weight`` int8 [N, K], ``weight_scale`` [N, 1] (+ ModelSlim ``weight_offset`` [N, 1], which must be
 all zero — verified at load, spec §11.10). Forward: ``s_x[m] = max_k |x[m, k]| / 127``,
-``xq = clamp(rint(x / s_x), -128, 127)``, ``y = (xq @ Wq^T) * s_x[m] * s_w[n] + b``. CPU decode (M <=
-``INT8_GEMV_MAX_M``): the fused quantize + VNNI kernel (bit-identical to ``int8_linear_dynamic``).
+``xq = clamp(rint(x / s_x), -128, 127)``, ``y = (xq @ Wq^T) * s_x[m] * s_w[n] + b``. CPU with AMX-INT8 (M <=
+``INT8_AMX_MAX_M``): the fused quantize + AMX tile kernel on a repacked copy of the weight; else decode (M <=
+``INT8_GEMV_MAX_M``): the fused quantize + VNNI kernel; both bit-identical to ``int8_linear_dynamic``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from torch import nn
 
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
 from ascent.quantization.kernels import (
-    INT8_GEMV_MAX_M, StackSpec, gemv_fits, int8_dynamic_stack_spec, int8_gemv_dynamic, int8_linear_dynamic,
-    prepare_int8_gemv, quantize_per_token_int8,
+    INT8_AMX_MAX_M, INT8_GEMV_MAX_M, StackSpec, gemv_fits, int8_dynamic_stack_spec, int8_gemv_dynamic,
+    int8_linear_dynamic, prepare_int8_amx, prepare_int8_gemv, quantize_per_token_int8,
 )
 from ascent.quantization.registry import register_scheme
 from ascent.quantization.schemes.common import add_param, check_zero_offset, use_reference
@@ -33,8 +34,8 @@ def dynamic_reference(x: torch.Tensor, w_deq: torch.Tensor, bias: torch.Tensor |
 
 @register_scheme("W8A8_DYNAMIC", "linear")
 class W8A8DynamicLinear(QuantLinearScheme):
-    """After loading: ``w8a8_w_t`` (int8 [K, N] column-major view), ``w8a8_ws`` fp32 [N] and ``w8a8_gemv`` (small-M
-    kernel operands, ``kernels.Int8Gemv``, or None)."""
+    """After loading: ``w8a8_w_t`` (int8 [K, N] column-major view), ``w8a8_ws`` fp32 [N], ``w8a8_gemv`` (small-M
+    kernel operands, ``kernels.Int8Gemv``, or None) and ``w8a8_amx`` (``kernels.Int8Amx`` or None)."""
 
     force_reference = False
 
@@ -52,10 +53,14 @@ class W8A8DynamicLinear(QuantLinearScheme):
         layer.w8a8_w_t = layer.weight.detach().t()
         layer.w8a8_ws = layer.weight_scale.detach().float().reshape(-1).contiguous()
         layer.w8a8_gemv = prepare_int8_gemv(layer.weight.detach())
+        layer.w8a8_amx = prepare_int8_amx(layer.weight.detach())
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if use_reference(self):
             return self.apply_reference(layer, x, bias)
+        amx = getattr(layer, "w8a8_amx", None)
+        if amx is not None and gemv_fits(x, INT8_AMX_MAX_M):
+            return amx.linear(x, layer.w8a8_ws, bias)
         gemv = getattr(layer, "w8a8_gemv", None)
         if gemv is not None and gemv_fits(x, INT8_GEMV_MAX_M):
             return int8_gemv_dynamic(gemv, x, layer.w8a8_ws, bias)
@@ -63,8 +68,12 @@ class W8A8DynamicLinear(QuantLinearScheme):
 
     def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:
         """How a C++ decode stack calls this linear's small-M kernel (``kernels.STACK_KIND_*``), None without it."""
+        bias = getattr(layer, "bias", None)
+        amx = getattr(layer, "w8a8_amx", None)
+        if amx is not None:
+            return amx.stack_spec(layer.w8a8_ws, bias)
         gemv = getattr(layer, "w8a8_gemv", None)
-        return int8_dynamic_stack_spec(gemv, layer.w8a8_ws, getattr(layer, "bias", None)) if gemv is not None else None
+        return int8_dynamic_stack_spec(gemv, layer.w8a8_ws, bias) if gemv is not None else None
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.detach().float() * layer.weight_scale.detach().float().reshape(-1, 1)

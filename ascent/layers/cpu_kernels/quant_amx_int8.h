@@ -1,0 +1,109 @@
+// W8A8 dynamic on Intel AMX-INT8 for mid-sized M (a decode batch or a verification step above the VNNI kernel's
+// range); included by quant_gemv_cpu.cpp inside namespace ascent_quant's anonymous namespace, after
+// quant_int8_blocks.h. The VNNI kernel does one VPDPBUSD per 64 weights per x row, so above ~16 rows it is
+// compute-bound (30 SmolLM2 layers at M = 32: 24 ms against a 4 ms weight stream); one TDPBSSD does 16 x 16 x 64
+// multiply-adds. x is quantized exactly as w8a8_dynamic_linear does (per-token symmetric int8, torch rounding), the
+// int32 sums are exact and the epilogue is the same fp32 expression, so the output is bit-identical to it.
+//
+// Packed layout (w8a8_amx_pack): wp[nb][kb][r][c][t] = W[16 nb + c][64 kb + 4 r + t], int8 [N/16, K/64, 16, 64]:
+// the B tile of (nb, kb) is 16 rows (K quads) of 64 bytes, contiguous per column block. Needs N % 16 == K % 64 == 0.
+#pragma once
+
+// AMX-INT8 (CPUID.7.0:EDX bit 25) on top of AMX-TILE / AMX-BF16 and the tile-state permission.
+inline bool amx_int8_usable() {
+  static const bool ok = [] {
+    unsigned eax, ebx, ecx, edx;
+    __asm__ volatile("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+    return ((edx >> 25) & 1) && ascent_tiles::amx_usable();
+  }();
+  return ok;
+}
+
+struct AmxI8Operands {
+  const int8_t* xq;     // [M, ldx] quantized rows (zero padded to K)
+  int64_t ldx;
+  const int8_t* wp;     // packed [N/16, K/64, 16, 64]
+  int64_t kb;           // K / 64
+  int64_t n;
+  const float* sx;      // [M] per-token scales
+  const float* ws;      // [N] weight scales
+  const float* bias;    // [N] or null
+  at::ScalarType dtype;  // output: float32 / bfloat16 / float16
+  void* y;              // [M, N]
+};
+
+// y[m, n] = acc * sx[m] * ws[n] (+ bias[n]) for 16 columns, rounded once to the output dtype (nearest even).
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void amx_i8_store16(const AmxI8Operands& o, int64_t m,
+                                                                                 int64_t col, const int32_t* acc) {
+  __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc)), _mm512_set1_ps(o.sx[m])),
+                           _mm512_loadu_ps(o.ws + col));
+  if (o.bias) y = _mm512_add_ps(y, _mm512_loadu_ps(o.bias + col));
+  const int64_t at = m * o.n + col;
+  if (o.dtype == at::kFloat) {
+    _mm512_storeu_ps(static_cast<float*>(o.y) + at, y);
+  } else if (o.dtype == at::kBFloat16) {
+    const __m512i u = _mm512_castps_si512(y);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<c10::BFloat16*>(o.y) + at), _mm512_cvtepi32_epi16(r));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<c10::Half*>(o.y) + at),
+                        _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+// Rows [m0, m0 + rows0 + rows1) (rows1 = 0 or a second 16-row tile) of column blocks nb (and nb + 1 when blocks
+// == 2); tiles configured by the caller for (rows0, rows1).
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void amx_i8_blocks(
+    const AmxI8Operands& o, int64_t m0, int64_t rows0, int64_t rows1, int64_t nb, int blocks, int32_t* scratch) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  const int8_t* a0 = o.xq + m0 * o.ldx;
+  const int8_t* a1 = o.xq + (m0 + 16) * o.ldx;
+  const int8_t* b0 = o.wp + nb * o.kb * 1024;
+  const int8_t* b1 = b0 + o.kb * 1024;
+  for (int64_t k = 0; k < o.kb; ++k) {
+    _tile_loadd(0, a0 + k * 64, o.ldx);
+    _tile_loadd(2, b0 + k * 1024, 64);
+    _tile_dpbssd(4, 0, 2);
+    if (blocks == 2) {
+      _tile_loadd(3, b1 + k * 1024, 64);
+      _tile_dpbssd(5, 0, 3);
+    }
+    if (rows1 > 0) {
+      _tile_loadd(1, a1 + k * 64, o.ldx);
+      _tile_dpbssd(6, 1, 2);
+      if (blocks == 2) _tile_dpbssd(7, 1, 3);
+    }
+  }
+  _tile_stored(4, scratch, 128);  // scratch [32 rows][32 cols] int32: (A0 | A1) x (B0 | B1)
+  _tile_stored(5, scratch + 16, 128);
+  _tile_stored(6, scratch + 16 * 32, 128);
+  _tile_stored(7, scratch + 16 * 32 + 16, 128);
+  for (int64_t r = 0; r < rows0 + rows1; ++r)
+    for (int b = 0; b < blocks; ++b) amx_i8_store16(o, m0 + r, 16 * (nb + b), scratch + r * 32 + 16 * b);
+}
+
+// All rows for the column-block pairs [pair_begin, pair_end): each pair's weight tiles stream from memory once.
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void amx_i8_pairs(
+    const AmxI8Operands& o, int64_t m, int64_t pair_begin, int64_t pair_end) {
+  alignas(64) int32_t scratch[32 * 32];
+  const int64_t nblocks = o.n / 16;
+  int64_t configured = -1;
+  for (int64_t p = pair_begin; p < pair_end; ++p) {
+    for (int64_t m0 = 0; m0 < m; m0 += 32) {
+      const int64_t rows = std::min<int64_t>(32, m - m0), rows0 = std::min<int64_t>(rows, 16);
+      if (rows != configured) {
+        const int64_t r1 = rows - rows0;
+        const ascent_tiles::TileConfig cfg = ascent_tiles::tile_config({rows0, r1, 16, 16, rows0, rows0, r1, r1});
+        _tile_loadconfig(&cfg);
+        configured = rows;
+      }
+      amx_i8_blocks(o, m0, rows0, rows - rows0, 2 * p, 2 * p + 1 < nblocks ? 2 : 1, scratch);
+    }
+  }
+  _tile_release();
+}
