@@ -287,6 +287,12 @@ class Int8Amx:
         """:func:`int8_linear_dynamic` (bit-identical) on AMX-INT8 tiles."""
         return self.ops.w8a8_dynamic_linear_amx(x, self.packed, w_scale, bias)
 
+    def linear_static(self, x: torch.Tensor, input_scale: float, input_offset: float, deq_scale: torch.Tensor,
+                      quant_bias: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+        """:func:`int8_linear_static` (bit-identical) on AMX-INT8 tiles."""
+        return self.ops.w8a8_static_linear_amx(x, self.packed, float(input_scale), float(input_offset), deq_scale,
+                                               quant_bias, bias)
+
 
 def prepare_int8_amx(weight: torch.Tensor) -> Int8Amx | None:
     """AMX-INT8 operands for an int8 ``weight [N, K]``; None without the kernels or AMX-INT8 (or ``ASCENT_CPU_AMX=0``),

@@ -247,7 +247,8 @@ def test_w8a8_static_scheme_kernel_path(ops, modelslim):
     spec = QuantSpec("W8A8") if modelslim else QuantSpec("W8A8", source_format="compressed-tensors")
     layer = build(spec, ck, bias=not modelslim)
     assert layer.w8a8_gemv is not None
-    for m in (1, 5):
+    assert (layer.w8a8_amx is not None) == ops.amx_int8_available()
+    for m in (1, 5, 40, kernels.INT8_AMX_MAX_M + 1):
         x = torch.randn(m, K_IN, generator=gen(m)).bfloat16()
         fast = kernels.int8_linear_static(x, layer.w8a8_w_t, layer.w8a8_sx, layer.w8a8_zx, layer.w8a8_deq,
                                           layer.w8a8_beta, None if modelslim else layer.bias)
@@ -481,6 +482,23 @@ def test_w8a8_amx_kernel_bit_identical(ops, dtype, m, k, n):
         y = ops.w8a8_dynamic_linear_amx(x, packed, scale, b)
         assert torch.equal(y, kernels.int8_linear_dynamic(x, w.t(), scale, b))
         assert torch.equal(y, ops.w8a8_dynamic_linear(x, w, w.sum(1, dtype=torch.int32), scale, b))
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (20, 576, 96), (70, 128, 48)])
+def test_w8a8_static_amx_kernel_bit_identical(ops, dtype, m, k, n):
+    g = gen(m + k + n)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    deq = torch.rand(n, generator=g) * 0.01 + 1e-4
+    qb = torch.randint(-1000, 1000, (n,), generator=g, dtype=torch.int32)
+    bias = torch.randn(n, generator=g).to(dtype)
+    packed = ops.w8a8_amx_pack(w)
+    for q, b in ((None, None), (qb, None), (qb, bias)):
+        y = ops.w8a8_static_linear_amx(x, packed, 0.021, 3.0, deq, q, b)
+        assert torch.equal(y, kernels.int8_linear_static(x, w.t(), 0.021, 3.0, deq, q, b))
+        assert torch.equal(y, ops.w8a8_static_linear(x, w, w.sum(1, dtype=torch.int32), 0.021, 3.0, deq, q, b))
 
 
 @needs_amx_int8

@@ -1,9 +1,9 @@
-// W8A8 dynamic on Intel AMX-INT8 for mid-sized M (a decode batch or a verification step above the VNNI kernel's
+// W8A8 (dynamic and static) on Intel AMX-INT8 for mid-sized M (a decode batch or a verification step above the VNNI kernel's
 // range); included by quant_gemv_cpu.cpp inside namespace ascent_quant's anonymous namespace, after
 // quant_int8_blocks.h. The VNNI kernel does one VPDPBUSD per 64 weights per x row, so above ~16 rows it is
 // compute-bound (30 SmolLM2 layers at M = 32: 24 ms against a 4 ms weight stream); one TDPBSSD does 16 x 16 x 64
-// multiply-adds. x is quantized exactly as w8a8_dynamic_linear does (per-token symmetric int8, torch rounding), the
-// int32 sums are exact and the epilogue is the same fp32 expression, so the output is bit-identical to it.
+// multiply-adds. x is quantized exactly as w8a8_dynamic_linear / w8a8_static_linear do (torch rounding), the int32
+// sums are exact and the epilogue is the same fp32 expression, so the output is bit-identical to theirs.
 //
 // Packed layout (w8a8_amx_pack): wp[nb][kb][r][c][t] = W[16 nb + c][64 kb + 4 r + t], int8 [N/16, K/64, 16, 64]:
 // the B tile of (nb, kb) is 16 rows (K quads) of 64 bytes, contiguous per column block. Needs N % 16 == K % 64 == 0.
@@ -25,18 +25,26 @@ struct AmxI8Operands {
   const int8_t* wp;     // packed [N/16, K/64, 16, 64]
   int64_t kb;           // K / 64
   int64_t n;
-  const float* sx;      // [M] per-token scales
-  const float* ws;      // [N] weight scales
+  const float* sx;      // dynamic: [M] per-token scales (null: static)
+  const float* ws;      // dynamic: [N] weight scales; static: deq [N]
+  const int32_t* qb;    // static: quant_bias [N] or null
   const float* bias;    // [N] or null
   at::ScalarType dtype;  // output: float32 / bfloat16 / float16
   void* y;              // [M, N]
 };
 
-// y[m, n] = acc * sx[m] * ws[n] (+ bias[n]) for 16 columns, rounded once to the output dtype (nearest even).
+// y[m, n] for 16 columns, rounded once to the output dtype (nearest even): dynamic acc * sx[m] * ws[n], static
+// (acc + qb[n]) * deq[n] (int32 wrap-around as the VNNI kernel); then + bias[n].
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void amx_i8_store16(const AmxI8Operands& o, int64_t m,
                                                                                  int64_t col, const int32_t* acc) {
-  __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc)), _mm512_set1_ps(o.sx[m])),
-                           _mm512_loadu_ps(o.ws + col));
+  __m512i a = _mm512_loadu_si512(acc);
+  __m512 y;
+  if (o.sx) {
+    y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(o.sx[m])), _mm512_loadu_ps(o.ws + col));
+  } else {
+    if (o.qb) a = _mm512_add_epi32(a, _mm512_loadu_si512(o.qb + col));
+    y = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_loadu_ps(o.ws + col));
+  }
   if (o.bias) y = _mm512_add_ps(y, _mm512_loadu_ps(o.bias + col));
   const int64_t at = m * o.n + col;
   if (o.dtype == at::kFloat) {

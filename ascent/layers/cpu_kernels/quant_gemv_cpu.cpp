@@ -334,6 +334,20 @@ void quantize_rows_dynamic(const at::Tensor& x, int64_t k, int64_t ldx, bool vnn
   }
 }
 
+// Per-tensor static int8 quantization of x [M, K]: q = clamp(nearbyint(x / s + z), -128, 127) as stored(q, vnni) in
+// xq [M, ldx], zero padded.
+void quantize_rows_static(const at::Tensor& x, int64_t k, int64_t ldx, bool vnni, float s, float z,
+                          std::vector<uint8_t>& xq) {
+  const int64_t m_rows = x.size(0);
+  const std::vector<float> xf = float_rows(x, k);
+  xq.assign(static_cast<size_t>(m_rows * ldx), 0);
+  for (int64_t m = 0; m < m_rows; ++m)
+    for (int64_t j = 0; j < k; ++j) {
+      const float v = std::nearbyint(xf[m * k + j] / s + z);
+      xq[m * ldx + j] = stored(static_cast<int32_t>(std::min(127.f, std::max(-128.f, v))), vnni);
+    }
+}
+
 // Dynamic W8A8: y = (q_x . W_q) * s_x[m] * w_scale[n] (+ bias), q_x / s_x per-token symmetric int8 (torch rounding).
 at::Tensor w8a8_dynamic_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& row_sum,
                                const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
@@ -365,12 +379,24 @@ at::Tensor w8a8_amx_pack(const at::Tensor& w) {
 }
 
 // w8a8_dynamic_linear (bit-identical) on AMX-INT8 tiles: wp = w8a8_amx_pack(W).
+// N of an AMX-INT8 packed weight (and the checks every AMX call makes).
+int64_t check_amx_pack(const at::Tensor& wp) {
+  TORCH_CHECK(amx_int8_usable(), "w8a8 AMX kernels: AMX-INT8 is not available");
+  TORCH_CHECK(wp.scalar_type() == at::kChar && wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 64 &&
+                  wp.is_contiguous(), "w8a8 AMX kernels: wp must come from w8a8_amx_pack");
+  return wp.size(0) * 16;
+}
+
+// The tiles over all column-block pairs, split over torch's threads; returns out.
+at::Tensor amx_i8_run(const AmxI8Operands& o, int64_t m, const at::Tensor& out) {
+  const int64_t pairs = (o.n / 16 + 1) / 2;
+  if (m > 0) at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { amx_i8_pairs(o, m, begin, end); });
+  return out;
+}
+
 at::Tensor w8a8_dynamic_linear_amx(const at::Tensor& x_in, const at::Tensor& wp, const at::Tensor& w_scale,
                                    const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_int8_usable(), "w8a8_dynamic_linear_amx: AMX-INT8 is not available");
-  TORCH_CHECK(wp.scalar_type() == at::kChar && wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 64 &&
-                  wp.is_contiguous(), "w8a8_dynamic_linear_amx: wp must come from w8a8_amx_pack");
-  const int64_t n = wp.size(0) * 16, k = wp.size(1) * 64;
+  const int64_t n = check_amx_pack(wp), k = wp.size(1) * 64;
   const at::Tensor x = rows_of(x_in, k);
   check_vec(w_scale, "w_scale", n, at::kFloat);
   std::vector<uint8_t> xq;
@@ -379,11 +405,31 @@ at::Tensor w8a8_dynamic_linear_amx(const at::Tensor& x_in, const at::Tensor& wp,
   const std::vector<float> b = float_bias(bias, n);
   auto out = at::empty({x.size(0), n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const AmxI8Operands o{reinterpret_cast<const int8_t*>(xq.data()), k, wp.data_ptr<int8_t>(), k / 64, n, sx.data(),
-                        w_scale.data_ptr<float>(), b.empty() ? nullptr : b.data(), out.scalar_type(),
+                        w_scale.data_ptr<float>(), nullptr, b.empty() ? nullptr : b.data(), out.scalar_type(),
                         out.data_ptr()};
-  const int64_t m = x.size(0), pairs = (n / 16 + 1) / 2;
-  if (m > 0) at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { amx_i8_pairs(o, m, begin, end); });
-  return like_x(out, x_in);
+  return like_x(amx_i8_run(o, x.size(0), out), x_in);
+}
+
+// w8a8_static_linear (bit-identical) on AMX-INT8 tiles: wp = w8a8_amx_pack(W).
+at::Tensor w8a8_static_linear_amx(const at::Tensor& x_in, const at::Tensor& wp, double input_scale,
+                                  double input_offset, const at::Tensor& deq,
+                                  const c10::optional<at::Tensor>& quant_bias, const c10::optional<at::Tensor>& bias) {
+  const int64_t n = check_amx_pack(wp), k = wp.size(1) * 64;
+  const at::Tensor x = rows_of(x_in, k);
+  check_vec(deq, "deq", n, at::kFloat);
+  const int32_t* qb = nullptr;
+  if (quant_bias.has_value() && quant_bias->defined()) {
+    check_vec(*quant_bias, "quant_bias", n, at::kInt);
+    qb = quant_bias->data_ptr<int32_t>();
+  }
+  std::vector<uint8_t> xq;
+  quantize_rows_static(x, k, k, /*vnni=*/false, static_cast<float>(input_scale), static_cast<float>(input_offset),
+                       xq);
+  const std::vector<float> b = float_bias(bias, n);
+  auto out = at::empty({x.size(0), n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const AmxI8Operands o{reinterpret_cast<const int8_t*>(xq.data()), k, wp.data_ptr<int8_t>(), k / 64, n, nullptr,
+                        deq.data_ptr<float>(), qb, b.empty() ? nullptr : b.data(), out.scalar_type(), out.data_ptr()};
+  return like_x(amx_i8_run(o, x.size(0), out), x_in);
 }
 
 // Static W8A8: q_x = clamp(nearbyint(x / s_x + z_x)), y = (q_x . W_q + quant_bias[n]) * deq[n] (+ bias).
@@ -393,7 +439,6 @@ at::Tensor w8a8_static_linear(const at::Tensor& x_in, const at::Tensor& weight, 
   check_int8_weight(weight, row_sum);
   const int64_t n = weight.size(0), k = weight.size(1), ldx = (k + 63) / 64 * 64;
   const at::Tensor x = rows_of(x_in, k);
-  const int64_t m_rows = x.size(0);
   check_vec(deq, "deq", n, at::kFloat);
   const int32_t* qb = nullptr;
   if (quant_bias.has_value() && quant_bias->defined()) {
@@ -401,14 +446,8 @@ at::Tensor w8a8_static_linear(const at::Tensor& x_in, const at::Tensor& weight, 
     qb = quant_bias->data_ptr<int32_t>();
   }
   const bool vnni = use_vnni();
-  const std::vector<float> xf = float_rows(x, k);
-  std::vector<uint8_t> xq(static_cast<size_t>(m_rows * ldx), 0);
-  const float s = static_cast<float>(input_scale), z = static_cast<float>(input_offset);
-  for (int64_t m = 0; m < m_rows; ++m)
-    for (int64_t j = 0; j < k; ++j) {
-      const float v = std::nearbyint(xf[m * k + j] / s + z);
-      xq[m * ldx + j] = stored(static_cast<int32_t>(std::min(127.f, std::max(-128.f, v))), vnni);
-    }
+  std::vector<uint8_t> xq;
+  quantize_rows_static(x, k, ldx, vnni, static_cast<float>(input_scale), static_cast<float>(input_offset), xq);
   const std::vector<float> b = float_bias(bias, n);
   const float* dp = deq.data_ptr<float>();
   return like_x(int8_linear(x, xq, ldx, vnni, weight, row_sum.data_ptr<int32_t>(), [&](int64_t, int64_t j,
@@ -462,6 +501,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_amx_pack", &ascent_quant::w8a8_amx_pack, "w8a8_amx_pack(W int8 [N,K]) -> [N/16, K/64, 16, 64]");
   m.def("w8a8_dynamic_linear_amx", &ascent_quant::w8a8_dynamic_linear_amx,
         "w8a8_dynamic_linear_amx(x [...,K], wp, w_scale f32 [N], bias) -> [...,N] (bit-identical to the VNNI one)");
+  m.def("w8a8_static_linear_amx", &ascent_quant::w8a8_static_linear_amx,
+        "w8a8_static_linear_amx(x, wp, input_scale, input_offset, deq, quant_bias, bias) (bit-identical to VNNI)");
   m.def("w8a8_static_linear", &ascent_quant::w8a8_static_linear,
         "w8a8_static_linear(x, weight, row_sum, input_scale, input_offset, deq f32 [N], quant_bias i32 [N], bias)");
   m.def("set_force_generic", &ascent_quant::set_force_generic, "set_force_generic(1|0) -> previous");

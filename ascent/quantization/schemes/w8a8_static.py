@@ -19,7 +19,8 @@ from torch import nn
 
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
 from ascent.quantization.kernels import (
-    INT8_GEMV_MAX_M, gemv_fits, int8_gemv_static, int8_linear_static, prepare_int8_gemv, quantize_static_int8,
+    INT8_AMX_MAX_M, INT8_GEMV_MAX_M, gemv_fits, int8_gemv_static, int8_linear_static, prepare_int8_amx,
+    prepare_int8_gemv, quantize_static_int8,
 )
 from ascent.quantization.registry import register_scheme
 from ascent.quantization.schemes.common import (
@@ -42,7 +43,8 @@ def create_int8_weight(layer: nn.Module, n: int, k: int, weight_loader: WeightLo
 class W8A8StaticLinear(QuantLinearScheme):
     """Static W8A8 linear; after loading the layer holds ``w8a8_w_t`` (int8 [K, N] column-major view),
     ``w8a8_sx`` / ``w8a8_zx`` (python floats), ``w8a8_deq`` fp32 [N], ``w8a8_beta`` int32 [N] or None and
-    ``w8a8_gemv`` (small-M kernel operands, ``kernels.Int8Gemv``, or None)."""
+    ``w8a8_gemv`` (small-M kernel operands, ``kernels.Int8Gemv``, or None) and ``w8a8_amx`` (AMX-INT8 operands,
+    ``kernels.Int8Amx``, or None: taken up to ``INT8_AMX_MAX_M`` rows, bit-identical)."""
 
     force_reference = False
 
@@ -77,6 +79,7 @@ class W8A8StaticLinear(QuantLinearScheme):
             layer.w8a8_beta = None
         layer.w8a8_deq = layer.w8a8_deq.float().contiguous()
         layer.w8a8_gemv = prepare_int8_gemv(layer.weight.detach())
+        layer.w8a8_amx = prepare_int8_amx(layer.weight.detach())
 
     def _float_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
         """ModelSlim folds the float bias into quant_bias; compressed-tensors adds it after dequantization."""
@@ -85,6 +88,10 @@ class W8A8StaticLinear(QuantLinearScheme):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if use_reference(self):
             return self.apply_reference(layer, x, bias)
+        amx = getattr(layer, "w8a8_amx", None)
+        if amx is not None and gemv_fits(x, INT8_AMX_MAX_M):
+            return amx.linear_static(x, layer.w8a8_sx, layer.w8a8_zx, layer.w8a8_deq, layer.w8a8_beta,
+                                     self._float_bias(bias))
         gemv = getattr(layer, "w8a8_gemv", None)
         if gemv is not None and gemv_fits(x, INT8_GEMV_MAX_M):
             return int8_gemv_static(gemv, x, layer.w8a8_sx, layer.w8a8_zx, layer.w8a8_deq, layer.w8a8_beta,
