@@ -69,7 +69,10 @@ GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (an empty tensor stands for an absent optional operand).
 #   4 W8A8 dynamic on AMX-INT8: ascent_quant::w8a8_dynamic_linear_amx(x, packed, w_scale, bias?)
 #                                                                      tensors [packed, w_scale, bias, unused]
-STACK_KIND_W8A16, STACK_KIND_W4A16, STACK_KIND_W8A8_DYNAMIC, STACK_KIND_W8A8_DYNAMIC_AMX = 1, 2, 3, 4
+#   5 W8A8 static on AMX-INT8: ascent_quant::w8a8_static_linear_amx(x, packed, s_x, z_x, deq, quant_bias?, bias?)
+#                                              tensors [packed, deq, quant_bias, bias, fp32 [s_x, z_x]]
+STACK_KIND_W8A16, STACK_KIND_W4A16, STACK_KIND_W8A8_DYNAMIC = 1, 2, 3
+STACK_KIND_W8A8_DYNAMIC_AMX, STACK_KIND_W8A8_STATIC_AMX = 4, 5
 StackSpec = tuple[int, list[torch.Tensor], list[int]]
 
 
@@ -286,6 +289,13 @@ class Int8Amx:
     def linear(self, x: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """:func:`int8_linear_dynamic` (bit-identical) on AMX-INT8 tiles."""
         return self.ops.w8a8_dynamic_linear_amx(x, self.packed, w_scale, bias)
+
+    def static_stack_spec(self, input_scale: float, input_offset: float, deq_scale: torch.Tensor,
+                          quant_bias: torch.Tensor | None, bias: torch.Tensor | None) -> StackSpec:
+        """The decode-stack call of a static W8A8 linear (:data:`STACK_KIND_W8A8_STATIC_AMX`)."""
+        scale_offset = torch.tensor([float(input_scale), float(input_offset)], dtype=torch.float32)
+        return STACK_KIND_W8A8_STATIC_AMX, [self.packed, deq_scale, _or_empty(quant_bias, deq_scale),
+                                            _or_empty(bias, deq_scale), scale_offset], []
 
     def linear_static(self, x: torch.Tensor, input_scale: float, input_offset: float, deq_scale: torch.Tensor,
                       quant_bias: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:

@@ -106,7 +106,7 @@ def test_batched_speculative_verification_through_the_stack_equals_module_path(t
 
 
 @pytest.mark.parametrize("scheme,fmt", [("w8a8_dynamic", "compressed-tensors"), ("w8a16", "modelslim"),
-                                        ("w4a16", "compressed-tensors")])
+                                        ("w4a16", "compressed-tensors"), ("w8a8", "modelslim")])
 def test_quantized_stack_equals_module_path(tmp_path, monkeypatch, scheme, fmt):
     """Quantized projections join the stack through their schemes' small-M kernels (within each scheme's own
     small-M range, so the values are the module path's)."""

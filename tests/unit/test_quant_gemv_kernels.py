@@ -298,6 +298,9 @@ def run_stack_spec(ops, spec, x: torch.Tensor) -> torch.Tensor:
     if kind == kernels.STACK_KIND_W8A8_DYNAMIC_AMX:
         wp, ws, b, _ = tensors
         return ops.w8a8_dynamic_linear_amx(x, wp, ws, opt(b))
+    if kind == kernels.STACK_KIND_W8A8_STATIC_AMX:
+        wp, deq, qb, b, so = tensors
+        return ops.w8a8_static_linear_amx(x, wp, float(so[0]), float(so[1]), deq, opt(qb), opt(b))
     w, scale, zero, b = tensors
     if kind == kernels.STACK_KIND_W8A16:
         return ops.w8a16_linear(x, w, scale, opt(zero), opt(b))
@@ -535,3 +538,23 @@ def test_w8a8_amx_copy_counts_in_the_dual_layout_budget(ops):
     assert limit_dual_layouts(model, budget_bytes=N_OUT * K_IN - 1) == 0
     assert layer.w8a8_amx is None
     assert torch.equal(layer(x), before)
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("modelslim", [True, False])
+def test_decode_stack_call_w8a8_static(ops, modelslim):
+    """Static W8A8 joins the decode stack through the AMX-INT8 kernel with the module path's values."""
+    g = gen(12)
+    q = torch.randint(-128, 128, (N_OUT, K_IN), generator=g, dtype=torch.int8)
+    s_w = torch.rand(N_OUT, 1, generator=g) * 0.01
+    ck = {"weight": q, "weight_scale": s_w, "input_scale": torch.tensor([0.03])}
+    if modelslim:
+        ck.update(weight_offset=torch.zeros(N_OUT, 1), input_offset=torch.tensor([2.0]),
+                  deq_scale=(0.03 * s_w[:, 0]), quant_bias=torch.randint(-900, 900, (N_OUT,), generator=g,
+                                                                          dtype=torch.int32))
+    spec = QuantSpec("W8A8") if modelslim else QuantSpec("W8A8", source_format="compressed-tensors")
+    layer = build(spec, ck, bias=not modelslim)
+    call = layer.quant_method.scheme.decode_stack_call(layer)
+    assert call[0] == kernels.STACK_KIND_W8A8_STATIC_AMX
+    x = torch.randn(3, K_IN, generator=g).bfloat16()
+    assert torch.equal(run_stack_spec(ops, call, x), layer(x))

@@ -50,12 +50,15 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 // Python side (``LinearMethod.decode_stack_call``) gives them.
 // An empty tensor stands for an absent optional operand.
 struct LinearCall {
-  enum Kind : int64_t { kDense = 0, kW8A16 = 1, kW4A16 = 2, kW8A8Dynamic = 3, kW8A8DynamicAmx = 4 };
+  enum Kind : int64_t {
+    kDense = 0, kW8A16 = 1, kW4A16 = 2, kW8A8Dynamic = 3, kW8A8DynamicAmx = 4, kW8A8StaticAmx = 5
+  };
   int64_t kind = kDense;
   // kDense: [weight [N, K] bf16/fp16 (empty when no plain copy is kept), bias, oneDNN-packed weight, AMX tiles] with
   // ints [small-M kernel row limit, AMX row limit]; kW8A16 / kW4A16: [weight (int8 [N, K] / packed int4), scale, zero, bias]
   // with ints [K] for kW4A16; kW8A8Dynamic: [weight int8 [N, K], row_sum, w_scale, bias]; kW8A8DynamicAmx: [AMX-INT8
-  // packed weight, w_scale, bias, unused]. See quantization/kernels.py.
+  // packed weight, w_scale, bias, unused]; kW8A8StaticAmx: [packed weight, deq, quant_bias, bias, fp32 [input_scale,
+  // input_offset]]. See quantization/kernels.py.
   std::vector<at::Tensor> tensors;
   std::vector<int64_t> ints;
 
@@ -68,16 +71,27 @@ struct LinearCall {
         return ascent_quant::w4a16_linear(x, t[0], ints[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
       case kW8A8Dynamic: return ascent_quant::w8a8_dynamic_linear(x, t[0], t[1], t[2], optional_tensor(t[3]));
       case kW8A8DynamicAmx: return ascent_quant::w8a8_dynamic_linear_amx(x, t[0], t[1], optional_tensor(t[2]));
+      case kW8A8StaticAmx: {
+        const float* so = t[4].data_ptr<float>();
+        return ascent_quant::w8a8_static_linear_amx(x, t[0], so[0], so[1], t[1], optional_tensor(t[2]),
+                                                    optional_tensor(t[3]));
+      }
       default: TORCH_CHECK(false, "DecodeStack: unknown linear kind ", kind);
     }
   }
 
   static LinearCall make(int64_t kind, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
-    const size_t want_tensors = 4, want_ints = kind == kDense ? 2 : (kind == kW4A16 ? 1 : 0);
-    TORCH_CHECK(kind >= kDense && kind <= kW8A8DynamicAmx && tensors.size() == want_tensors && ints.size() == want_ints,
+    const size_t want_tensors = kind == kW8A8StaticAmx ? 5 : 4;
+    const size_t want_ints = kind == kDense ? 2 : (kind == kW4A16 ? 1 : 0);
+    TORCH_CHECK(kind >= kDense && kind <= kW8A8StaticAmx && tensors.size() == want_tensors &&
+                    ints.size() == want_ints,
                 "DecodeStack: linear kind ", kind, " with ", tensors.size(), " tensors / ", ints.size(), " ints");
-    TORCH_CHECK(tensors[0].dim() == (kind == kW8A8DynamicAmx ? 4 : 2) || (kind == kDense && ints[0] == 0),
+    const bool amx = kind == kW8A8DynamicAmx || kind == kW8A8StaticAmx;
+    TORCH_CHECK(tensors[0].dim() == (amx ? 4 : 2) || (kind == kDense && ints[0] == 0),
                 "DecodeStack: weight operand of kind ", kind, " has ", tensors[0].dim(), " dims");
+    TORCH_CHECK(kind != kW8A8StaticAmx || (tensors[4].scalar_type() == at::kFloat && tensors[4].numel() == 2 &&
+                                            tensors[4].is_contiguous()),
+                "DecodeStack: kind 5 needs fp32 [input_scale, input_offset]");
     return LinearCall{kind, std::move(tensors), std::move(ints)};
   }
 };

@@ -1,9 +1,10 @@
-// W8A8 (dynamic and static) on Intel AMX-INT8 for mid-sized M (a decode batch or a verification step above the VNNI kernel's
-// range); included by quant_gemv_cpu.cpp inside namespace ascent_quant's anonymous namespace, after
+// W8A8 (dynamic and static) on Intel AMX-INT8: every M up to INT8_AMX_MAX_M (quantization/kernels.py) when the CPU
+// has it; included by quant_gemv_cpu.cpp inside namespace ascent_quant's anonymous namespace, after
 // quant_int8_blocks.h. The VNNI kernel does one VPDPBUSD per 64 weights per x row, so above ~16 rows it is
-// compute-bound (30 SmolLM2 layers at M = 32: 24 ms against a 4 ms weight stream); one TDPBSSD does 16 x 16 x 64
-// multiply-adds. x is quantized exactly as w8a8_dynamic_linear / w8a8_static_linear do (torch rounding), the int32
-// sums are exact and the epilogue is the same fp32 expression, so the output is bit-identical to theirs.
+// compute-bound (30 SmolLM2 layers at M = 32: 27 ms against a 4 ms weight stream); one TDPBSSD does 16 x 16 x 64
+// multiply-adds, and its 1 KiB weight tiles stream well even at M = 1 (5.6 -> 4.9 ms for those layers). x is
+// quantized exactly as w8a8_dynamic_linear / w8a8_static_linear do (torch rounding), the int32 sums are exact and the
+// epilogue is the same fp32 expression, so the output is bit-identical to theirs.
 //
 // Packed layout (w8a8_amx_pack): wp[nb][kb][r][c][t] = W[16 nb + c][64 kb + 4 r + t], int8 [N/16, K/64, 16, 64]:
 // the B tile of (nb, kb) is 16 rows (K quads) of 64 bytes, contiguous per column block. Needs N % 16 == K % 64 == 0.

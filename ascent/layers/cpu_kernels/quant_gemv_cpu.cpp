@@ -341,11 +341,16 @@ void quantize_rows_static(const at::Tensor& x, int64_t k, int64_t ldx, bool vnni
   const int64_t m_rows = x.size(0);
   const std::vector<float> xf = float_rows(x, k);
   xq.assign(static_cast<size_t>(m_rows * ldx), 0);
-  for (int64_t m = 0; m < m_rows; ++m)
+  for (int64_t m = 0; m < m_rows; ++m) {
+    if (use_avx512()) {
+      quant_row_static_avx512(xf.data() + m * k, k, s, z, vnni, xq.data() + m * ldx);
+      continue;
+    }
     for (int64_t j = 0; j < k; ++j) {
       const float v = std::nearbyint(xf[m * k + j] / s + z);
       xq[m * ldx + j] = stored(static_cast<int32_t>(std::min(127.f, std::max(-128.f, v))), vnni);
     }
+  }
 }
 
 // Dynamic W8A8: y = (q_x . W_q) * s_x[m] * w_scale[n] (+ bias), q_x / s_x per-token symmetric int8 (torch rounding).

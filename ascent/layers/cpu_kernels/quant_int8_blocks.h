@@ -127,6 +127,22 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quant_row_avx512(const
     out[j] = stored(static_cast<int32_t>(std::min(127.f, std::max(-128.f, std::nearbyint(p[j] / div)))), vnni);
 }
 
+// out[j] = stored(clamp(nearbyint(p[j] / s + z), -128, 127)) (static quantization, the scalar path's operations).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void quant_row_static_avx512(const float* p, int64_t k, float s,
+                                                                                  float z, bool vnni, uint8_t* out) {
+  const __m512 d = _mm512_set1_ps(s), off = _mm512_set1_ps(z), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
+  const __m512i shift = _mm512_set1_epi32(vnni ? 128 : 0);
+  int64_t j = 0;
+  for (; j + 16 <= k; j += 16) {
+    const __m512 v = _mm512_roundscale_ps(_mm512_add_ps(_mm512_div_ps(_mm512_loadu_ps(p + j), d), off),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(_mm512_add_epi32(q, shift)));
+  }
+  for (; j < k; ++j)
+    out[j] = stored(static_cast<int32_t>(std::min(127.f, std::max(-128.f, std::nearbyint(p[j] / s + z)))), vnni);
+}
+
 void check_int8_weight(const at::Tensor& w, const at::Tensor& row_sum) {
   check_weight(w, at::kChar);
   TORCH_CHECK(w.size(1) <= kMaxK, "K = ", w.size(1), " exceeds ", kMaxK);

@@ -1,15 +1,15 @@
 """W8A8_MIX (PD mix, spec §2): the W8A8 static parameter set; a KV-consumer instance
 (``spec.extra["kv_consumer"]``, the decode side of PD disaggregation) runs the static path, every other instance
 the dynamic per-token path over the same int8 weights with ``weight_scale`` (plus the float bias): at decode-sized M
-through the W8A8 dynamic small-M kernel (and the decode stack), as ``W8A8_DYNAMIC`` does."""
+through the AMX-INT8 or the small-M kernel (and the decode stack), as ``W8A8_DYNAMIC`` does."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ascent.quantization.kernels import (INT8_GEMV_MAX_M, StackSpec, gemv_fits, int8_dynamic_stack_spec,
-                                         int8_gemv_dynamic, int8_linear_dynamic)
+from ascent.quantization.kernels import (INT8_AMX_MAX_M, INT8_GEMV_MAX_M, StackSpec, gemv_fits,
+                                         int8_dynamic_stack_spec, int8_gemv_dynamic, int8_linear_dynamic)
 from ascent.quantization.registry import register_scheme
 from ascent.quantization.schemes.common import use_reference
 from ascent.quantization.schemes.w8a8_dynamic import dynamic_reference
@@ -33,17 +33,24 @@ class W8A8MixLinear(W8A8StaticLinear):
             return super().apply(layer, x, bias)
         if use_reference(self):
             return self.apply_reference(layer, x, bias)
+        amx = getattr(layer, "w8a8_amx", None)
+        if amx is not None and gemv_fits(x, INT8_AMX_MAX_M):
+            return amx.linear(x, layer.w8a8_ws, bias)
         gemv = getattr(layer, "w8a8_gemv", None)
         if gemv is not None and gemv_fits(x, INT8_GEMV_MAX_M):
             return int8_gemv_dynamic(gemv, x, layer.w8a8_ws, bias)
         return int8_linear_dynamic(x, layer.w8a8_w_t, layer.w8a8_ws, bias)
 
     def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:
-        """The dynamic path joins the decode stack as a W8A8 dynamic linear; the static path does not."""
+        """Either path joins the decode stack with the kernel its ``apply`` takes for decode-sized M."""
+        if self.static_path:
+            return super().decode_stack_call(layer)
+        bias = getattr(layer, "bias", None)
+        amx = getattr(layer, "w8a8_amx", None)
+        if amx is not None:
+            return amx.stack_spec(layer.w8a8_ws, bias)
         gemv = getattr(layer, "w8a8_gemv", None)
-        if self.static_path or gemv is None:
-            return None
-        return int8_dynamic_stack_spec(gemv, layer.w8a8_ws, getattr(layer, "bias", None))
+        return int8_dynamic_stack_spec(gemv, layer.w8a8_ws, bias) if gemv is not None else None
 
     def apply_reference(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.static_path:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
 from ascent.quantization.kernels import (
-    INT8_AMX_MAX_M, INT8_GEMV_MAX_M, gemv_fits, int8_gemv_static, int8_linear_static, prepare_int8_amx,
+    INT8_AMX_MAX_M, INT8_GEMV_MAX_M, StackSpec, gemv_fits, int8_gemv_static, int8_linear_static, prepare_int8_amx,
     prepare_int8_gemv, quantize_static_int8,
 )
 from ascent.quantization.registry import register_scheme
@@ -80,6 +80,15 @@ class W8A8StaticLinear(QuantLinearScheme):
         layer.w8a8_deq = layer.w8a8_deq.float().contiguous()
         layer.w8a8_gemv = prepare_int8_gemv(layer.weight.detach())
         layer.w8a8_amx = prepare_int8_amx(layer.weight.detach())
+
+    def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:
+        """The C++ decode stack's call of the AMX-INT8 kernel (``kernels.STACK_KIND_W8A8_STATIC_AMX``), None
+        without it."""
+        amx = getattr(layer, "w8a8_amx", None)
+        if amx is None:
+            return None
+        return amx.static_stack_spec(layer.w8a8_sx, layer.w8a8_zx, layer.w8a8_deq, layer.w8a8_beta,
+                                     self._float_bias(getattr(layer, "bias", None)))
 
     def _float_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
         """ModelSlim folds the float bias into quant_bias; compressed-tensors adds it after dequantization."""

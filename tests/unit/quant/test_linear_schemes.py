@@ -175,8 +175,9 @@ def test_w8a8_mix(kv_consumer):
 
 @pytest.mark.parametrize("kv_consumer", [True, False])
 def test_w8a8_mix_decode_rows_take_the_dynamic_kernel(kv_consumer, monkeypatch):
-    """The dynamic path at decode-sized M is the W8A8 dynamic small-M kernel (bit-identical to the _int_mm path) and
-    joins the decode stack as a W8A8 dynamic linear; the static path does not join it."""
+    """The dynamic path at decode-sized M is the AMX-INT8 kernel where the CPU has it, else the W8A8 dynamic small-M
+    kernel (both bit-identical to the _int_mm path), and joins the decode stack as a W8A8 dynamic linear; the static
+    path joins it through the AMX-INT8 kernel when there is one."""
     from ascent.quantization import kernels
 
     w, b = gaussian((N, K), 15, 0.02), gaussian((N,), 17, 0.1)
@@ -184,10 +185,15 @@ def test_w8a8_mix_decode_rows_take_the_dynamic_kernel(kv_consumer, monkeypatch):
     layer = build(QuantSpec("W8A8_MIX", extra={"kv_consumer": kv_consumer}), ck, bias=b)
     spec = layer.quant_method.decode_stack_call(layer)
     assert layer.w8a8_gemv is not None
+    amx = layer.w8a8_amx
     if kv_consumer:
-        assert spec is None
+        assert spec is None if amx is None else \
+            (spec[0] == kernels.STACK_KIND_W8A8_STATIC_AMX and spec[1][0] is amx.packed)
         return
-    assert spec[0] == kernels.STACK_KIND_W8A8_DYNAMIC and spec[1][0] is layer.w8a8_gemv.weight
+    if amx is not None:
+        assert spec[0] == kernels.STACK_KIND_W8A8_DYNAMIC_AMX and spec[1][0] is amx.packed
+    else:
+        assert spec[0] == kernels.STACK_KIND_W8A8_DYNAMIC and spec[1][0] is layer.w8a8_gemv.weight
     xs = [t(gaussian((m, K), 20 + m)).bfloat16() for m in (1, 3)]
     wants = [kernels.int8_linear_dynamic(x, layer.w8a8_w_t, layer.w8a8_ws, layer.bias) for x in xs]
 
