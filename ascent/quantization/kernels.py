@@ -72,7 +72,9 @@ GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #   5 W8A8 static on AMX-INT8: ascent_quant::w8a8_static_linear_amx(x, packed, s_x, z_x, deq, quant_bias?, bias?)
 #                                              tensors [packed, deq, quant_bias, bias, fp32 [s_x, z_x]]
 STACK_KIND_W8A16, STACK_KIND_W4A16, STACK_KIND_W8A8_DYNAMIC = 1, 2, 3
-STACK_KIND_W8A8_DYNAMIC_AMX, STACK_KIND_W8A8_STATIC_AMX = 4, 5
+#   6 W8A16 per channel with AMX-INT8 above the small-M range: w8a16_linear up to ints[0] rows, else
+#     w8a16_linear_amx(x, packed, scale, bias?)               tensors [weight, scale, zero, bias, packed], ints [max_m]
+STACK_KIND_W8A8_DYNAMIC_AMX, STACK_KIND_W8A8_STATIC_AMX, STACK_KIND_W8A16_AMX = 4, 5, 6
 StackSpec = tuple[int, list[torch.Tensor], list[int]]
 
 
@@ -297,6 +299,12 @@ class Int8Amx:
         return STACK_KIND_W8A8_STATIC_AMX, [self.packed, deq_scale, _or_empty(quant_bias, deq_scale),
                                             _or_empty(bias, deq_scale), scale_offset], []
 
+    def linear_weight_only(self, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+                           ) -> torch.Tensor | None:
+        """W8A16 (per-channel ``scale`` fp32 [N], no zero point) with 16-bit ``x`` on the tiles: x as 16-bit fixed
+        point (as the VNNI kernel), exact integer sums over K; None when x has a NaN / inf."""
+        return self.ops.w8a16_linear_amx(x, self.packed, scale, bias)
+
     def linear_static(self, x: torch.Tensor, input_scale: float, input_offset: float, deq_scale: torch.Tensor,
                       quant_bias: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
         """:func:`int8_linear_static` (bit-identical) on AMX-INT8 tiles."""
@@ -357,9 +365,12 @@ class WeightOnlyGemv:
         """Largest M this kernel is used for (:data:`WEIGHT_ONLY_GEMV_MAX_M`)."""
         return WEIGHT_ONLY_GEMV_MAX_M[self.bits]
 
-    def stack_spec(self, bias: torch.Tensor | None) -> StackSpec:
-        """The decode-stack call of this linear (see :data:`STACK_KIND_W8A16` / :data:`STACK_KIND_W4A16`)."""
+    def stack_spec(self, bias: torch.Tensor | None, amx: Int8Amx | None = None) -> StackSpec:
+        """The decode-stack call of this linear (see :data:`STACK_KIND_W8A16` / :data:`STACK_KIND_W4A16`, and
+        :data:`STACK_KIND_W8A16_AMX` with ``amx``)."""
         tensors = [self.weight, self.scale, _or_empty(self.zero, self.scale), _or_empty(bias, self.scale)]
+        if self.bits == 8 and amx is not None:
+            return STACK_KIND_W8A16_AMX, tensors + [amx.packed], [self.max_m]
         if self.bits == 8:
             return STACK_KIND_W8A16, tensors, []
         return STACK_KIND_W4A16, tensors, [self.k]

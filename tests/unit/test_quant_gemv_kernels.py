@@ -301,6 +301,11 @@ def run_stack_spec(ops, spec, x: torch.Tensor) -> torch.Tensor:
     if kind == kernels.STACK_KIND_W8A8_STATIC_AMX:
         wp, deq, qb, b, so = tensors
         return ops.w8a8_static_linear_amx(x, wp, float(so[0]), float(so[1]), deq, opt(qb), opt(b))
+    if kind == kernels.STACK_KIND_W8A16_AMX:
+        w, scale, zero, b, packed = tensors
+        if x.shape[0] > ints[0]:
+            return ops.w8a16_linear_amx(x, packed, scale.view(-1), opt(b))
+        return ops.w8a16_linear(x, w, scale, opt(zero), opt(b))
     w, scale, zero, b = tensors
     if kind == kernels.STACK_KIND_W8A16:
         return ops.w8a16_linear(x, w, scale, opt(zero), opt(b))
@@ -558,3 +563,39 @@ def test_decode_stack_call_w8a8_static(ops, modelslim):
     assert call[0] == kernels.STACK_KIND_W8A8_STATIC_AMX
     x = torch.randn(3, K_IN, generator=g).bfloat16()
     assert torch.equal(run_stack_spec(ops, call, x), layer(x))
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (5, 576, 96), (17, 1536, 48), (40, 128, 80)])
+def test_w8a16_amx_kernel(ops, dtype, m, k, n):
+    """W8A16 on AMX-INT8 tiles (x as 16-bit fixed point, exact integer sums): within one rounding of the output;
+    a row's result does not depend on the batch; x with a NaN gives None (the caller falls back)."""
+    x, q, scale, _, bias = operands(m, k, n, 1, 8, m + k + n, dtype)
+    x[0, 3] = 200.0  # an outlier sets the row's step
+    packed = ops.w8a8_amx_pack(q)
+    for b in (None, bias):
+        y = ops.w8a16_linear_amx(x, packed, scale.view(-1), b)
+        assert_close(y, ref_weight_only(x, q, scale, None, b))
+        row = ops.w8a16_linear_amx(x[m - 1 :], packed, scale.view(-1), b)
+        assert torch.equal(row, y[m - 1 :])
+    x[m - 1, 0] = float("nan")
+    assert ops.w8a16_linear_amx(x, packed, scale.view(-1), None) is None
+
+
+@needs_amx_int8
+def test_w8a16_scheme_takes_amx_above_the_small_m_range(ops):
+    """Per-channel W8A16 without zero points: the small-M kernel up to its limit, the AMX kernel above, the dense
+    path past INT8_AMX_MAX_M; all within one rounding of the reference."""
+    g = gen(21)
+    q = torch.randint(-128, 128, (N_OUT, K_IN), generator=g, dtype=torch.int8)
+    ck = {"weight": q, "weight_scale": torch.rand(N_OUT, 1, generator=g) * 0.01,
+          "weight_offset": torch.zeros(N_OUT, 1)}
+    layer = build(QuantSpec("W8A16"), ck, bias=True)
+    assert layer.wo_amx is not None
+    for m in (1, kernels.WEIGHT_ONLY_GEMV_MAX_M[8] + 1, 40, kernels.INT8_AMX_MAX_M + 1):
+        x = torch.randn(m, K_IN, generator=gen(m)).bfloat16()
+        y = layer(x)
+        assert_close(y, layer.quant_method.apply_reference(layer, x, layer.bias))
+        if 4 < m <= kernels.INT8_AMX_MAX_M:
+            assert torch.equal(y, ops.w8a16_linear_amx(x, layer.wo_amx.packed, layer.wo_scale_vec, layer.bias))

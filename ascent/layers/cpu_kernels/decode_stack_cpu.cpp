@@ -51,14 +51,16 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 // An empty tensor stands for an absent optional operand.
 struct LinearCall {
   enum Kind : int64_t {
-    kDense = 0, kW8A16 = 1, kW4A16 = 2, kW8A8Dynamic = 3, kW8A8DynamicAmx = 4, kW8A8StaticAmx = 5
+    kDense = 0, kW8A16 = 1, kW4A16 = 2, kW8A8Dynamic = 3, kW8A8DynamicAmx = 4, kW8A8StaticAmx = 5,
+    kW8A16Amx = 6
   };
   int64_t kind = kDense;
   // kDense: [weight [N, K] bf16/fp16 (empty when no plain copy is kept), bias, oneDNN-packed weight, AMX tiles] with
   // ints [small-M kernel row limit, AMX row limit]; kW8A16 / kW4A16: [weight (int8 [N, K] / packed int4), scale, zero, bias]
   // with ints [K] for kW4A16; kW8A8Dynamic: [weight int8 [N, K], row_sum, w_scale, bias]; kW8A8DynamicAmx: [AMX-INT8
   // packed weight, w_scale, bias, unused]; kW8A8StaticAmx: [packed weight, deq, quant_bias, bias, fp32 [input_scale,
-  // input_offset]]. See quantization/kernels.py.
+  // input_offset]]; kW8A16Amx: kW8A16's tensors and the AMX-INT8 packed weight, ints [small-M row limit] (the
+  // small-M kernel up to it, the AMX one above). See quantization/kernels.py.
   std::vector<at::Tensor> tensors;
   std::vector<int64_t> ints;
 
@@ -71,6 +73,14 @@ struct LinearCall {
         return ascent_quant::w4a16_linear(x, t[0], ints[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
       case kW8A8Dynamic: return ascent_quant::w8a8_dynamic_linear(x, t[0], t[1], t[2], optional_tensor(t[3]));
       case kW8A8DynamicAmx: return ascent_quant::w8a8_dynamic_linear_amx(x, t[0], t[1], optional_tensor(t[2]));
+      case kW8A16Amx: {
+        const auto small_m = [&] {
+          return ascent_quant::w8a16_linear(x, t[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
+        };
+        if (x.size(0) <= ints[0]) return small_m();
+        at::Tensor y = ascent_quant::w8a16_linear_amx(x, t[4], t[1].view({-1}), optional_tensor(t[3]));
+        return y.defined() ? y : small_m();  // x with a NaN / inf
+      }
       case kW8A8StaticAmx: {
         const float* so = t[4].data_ptr<float>();
         return ascent_quant::w8a8_static_linear_amx(x, t[0], so[0], so[1], t[1], optional_tensor(t[2]),
@@ -81,9 +91,9 @@ struct LinearCall {
   }
 
   static LinearCall make(int64_t kind, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
-    const size_t want_tensors = kind == kW8A8StaticAmx ? 5 : 4;
-    const size_t want_ints = kind == kDense ? 2 : (kind == kW4A16 ? 1 : 0);
-    TORCH_CHECK(kind >= kDense && kind <= kW8A8StaticAmx && tensors.size() == want_tensors &&
+    const size_t want_tensors = kind == kW8A8StaticAmx || kind == kW8A16Amx ? 5 : 4;
+    const size_t want_ints = kind == kDense ? 2 : (kind == kW4A16 || kind == kW8A16Amx ? 1 : 0);
+    TORCH_CHECK(kind >= kDense && kind <= kW8A16Amx && tensors.size() == want_tensors &&
                     ints.size() == want_ints,
                 "DecodeStack: linear kind ", kind, " with ", tensors.size(), " tensors / ", ints.size(), " ints");
     const bool amx = kind == kW8A8DynamicAmx || kind == kW8A8StaticAmx;

@@ -34,18 +34,9 @@ struct AmxI8Operands {
   void* y;              // [M, N]
 };
 
-// y[m, n] for 16 columns, rounded once to the output dtype (nearest even): dynamic acc * sx[m] * ws[n], static
-// (acc + qb[n]) * deq[n] (int32 wrap-around as the VNNI kernel); then + bias[n].
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void amx_i8_store16(const AmxI8Operands& o, int64_t m,
-                                                                                 int64_t col, const int32_t* acc) {
-  __m512i a = _mm512_loadu_si512(acc);
-  __m512 y;
-  if (o.sx) {
-    y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(o.sx[m])), _mm512_loadu_ps(o.ws + col));
-  } else {
-    if (o.qb) a = _mm512_add_epi32(a, _mm512_loadu_si512(o.qb + col));
-    y = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_loadu_ps(o.ws + col));
-  }
+// out[m, col .. col + 15] = y (+ bias), rounded once to the output dtype (nearest even).
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void store_y16(const AmxI8Operands& o, int64_t m,
+                                                                            int64_t col, __m512 y) {
   if (o.bias) y = _mm512_add_ps(y, _mm512_loadu_ps(o.bias + col));
   const int64_t at = m * o.n + col;
   if (o.dtype == at::kFloat) {
@@ -60,6 +51,21 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void amx_i8_store16(co
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<c10::Half*>(o.y) + at),
                         _mm512_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+}
+
+// y[m, n] for 16 columns, rounded once to the output dtype (nearest even): dynamic acc * sx[m] * ws[n], static
+// (acc + qb[n]) * deq[n] (int32 wrap-around as the VNNI kernel); then + bias[n].
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void amx_i8_store16(const AmxI8Operands& o, int64_t m,
+                                                                                 int64_t col, const int32_t* acc) {
+  __m512i a = _mm512_loadu_si512(acc);
+  __m512 y;
+  if (o.sx) {
+    y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(o.sx[m])), _mm512_loadu_ps(o.ws + col));
+  } else {
+    if (o.qb) a = _mm512_add_epi32(a, _mm512_loadu_si512(o.qb + col));
+    y = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_loadu_ps(o.ws + col));
+  }
+  store_y16(o, m, col, y);
 }
 
 // Rows [m0, m0 + rows0 + rows1) (rows1 = 0 or a second 16-row tile) of column blocks nb (and nb + 1 when blocks
@@ -94,6 +100,75 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
   _tile_stored(7, scratch + 16 * 32 + 16, 128);
   for (int64_t r = 0; r < rows0 + rows1; ++r)
     for (int b = 0; b < blocks; ++b) amx_i8_store16(o, m0 + r, 16 * (nb + b), scratch + r * 32 + 16 * b);
+}
+
+// W8A16 (per channel, no zero point) on the same tiles: x as 16-bit fixed point (quant_wo_vnni.h) in two s8 rows,
+// hi and lo (x^ = 256 hi + lo); per 16-row block the accumulators hi x B0, hi x B1, lo x B0, lo x B1 hold exact int32
+// sums over all of K, and y = (256 * hi + lo) * step[m] * scale[n] (+ bias) in fp32.
+struct AmxFxOperands {
+  const int8_t* xhi;    // [M, K]
+  const int8_t* xlo;    // [M, K]
+  const float* step;    // [M]
+  AmxI8Operands o;      // wp, kb, n, ws = per-channel scale, bias, dtype, y (xq, sx, qb unused)
+};
+
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void amx_fx_blocks(
+    const AmxFxOperands& f, int64_t m0, int64_t rows, int64_t nb, int blocks, int32_t* scratch) {
+  const AmxI8Operands& o = f.o;
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  const int64_t k_bytes = o.kb * 64;
+  const int8_t* hi = f.xhi + m0 * k_bytes;
+  const int8_t* lo = f.xlo + m0 * k_bytes;
+  const int8_t* b0 = o.wp + nb * o.kb * 1024;
+  const int8_t* b1 = b0 + o.kb * 1024;
+  for (int64_t k = 0; k < o.kb; ++k) {
+    _tile_loadd(0, hi + k * 64, k_bytes);
+    _tile_loadd(1, lo + k * 64, k_bytes);
+    _tile_loadd(2, b0 + k * 1024, 64);
+    _tile_dpbssd(4, 0, 2);
+    _tile_dpbssd(6, 1, 2);
+    if (blocks == 2) {
+      _tile_loadd(3, b1 + k * 1024, 64);
+      _tile_dpbssd(5, 0, 3);
+      _tile_dpbssd(7, 1, 3);
+    }
+  }
+  _tile_stored(4, scratch, 128);  // scratch [hi | lo][16 rows][32 cols] int32
+  _tile_stored(5, scratch + 16, 128);
+  _tile_stored(6, scratch + 16 * 32, 128);
+  _tile_stored(7, scratch + 16 * 32 + 16, 128);
+  const __m512 scale256 = _mm512_set1_ps(256.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int b = 0; b < blocks; ++b) {
+      const int64_t col = 16 * (nb + b);
+      const __m512 h = _mm512_cvtepi32_ps(_mm512_loadu_si512(scratch + r * 32 + 16 * b));
+      const __m512 l = _mm512_cvtepi32_ps(_mm512_loadu_si512(scratch + 16 * 32 + r * 32 + 16 * b));
+      __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_fmadd_ps(h, scale256, l), _mm512_set1_ps(f.step[m0 + r])),
+                               _mm512_loadu_ps(o.ws + col));
+      store_y16(o, m0 + r, col, y);
+    }
+}
+
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void amx_fx_pairs(
+    const AmxFxOperands& f, int64_t m, int64_t pair_begin, int64_t pair_end) {
+  alignas(64) int32_t scratch[32 * 32];
+  const int64_t nblocks = f.o.n / 16;
+  int64_t configured = -1;
+  for (int64_t p = pair_begin; p < pair_end; ++p) {
+    for (int64_t m0 = 0; m0 < m; m0 += 16) {
+      const int64_t rows = std::min<int64_t>(16, m - m0);
+      if (rows != configured) {
+        const ascent_tiles::TileConfig cfg = ascent_tiles::tile_config({rows, rows, 16, 16, rows, rows, rows, rows});
+        _tile_loadconfig(&cfg);
+        configured = rows;
+      }
+      amx_fx_blocks(f, m0, rows, 2 * p, 2 * p + 1 < nblocks ? 2 : 1, scratch);
+    }
+  }
+  _tile_release();
 }
 
 // All rows for the column-block pairs [pair_begin, pair_end): each pair's weight tiles stream from memory once.

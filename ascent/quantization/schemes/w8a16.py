@@ -6,7 +6,9 @@ per-group [N, K/g] (model dtype or fp32). compressed-tensors: ``weight``, ``weig
 ``W = (Wq - o_w) * s_w``; ``y = x @ W^T + b``.
 
 Fast paths (chosen by M): on CPU with the C++ kernels, ``quant_gemv_cpu.cpp``'s ``w8a16_linear`` (any group /
-zero point) for M <= ``WEIGHT_ONLY_GEMV_MAX_M[8]``; else (``kernels.weight_only_path``) ``torch._weight_int8pack_mm``
+zero point) for M <= ``WEIGHT_ONLY_GEMV_MAX_M[8]``; int8 per channel without zero point on AMX-INT8 CPUs: the AMX
+kernel (16-bit x as fixed point, a repacked copy of the weight) up to ``INT8_AMX_MAX_M``; else
+(``kernels.weight_only_path``) ``torch._weight_int8pack_mm``
 for decode-sized M when the weight is per-channel and symmetric; otherwise a dequantize-once dense weight
 (oneDNN-packed bf16/fp16).
 """
@@ -18,7 +20,8 @@ from torch import nn
 
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
 from ascent.quantization.kernels import (
-    DenseWeightCache, StackSpec, WeightOnlyGemv, gemv_fits, prepare_wo_gemv, weight_int8_linear, weight_only_path,
+    INT8_AMX_MAX_M, DenseWeightCache, StackSpec, WeightOnlyGemv, gemv_fits, prepare_int8_amx, prepare_wo_gemv,
+    weight_int8_linear, weight_only_path,
 )
 from ascent.quantization.registry import register_scheme
 from ascent.quantization.packing import unpack_from_int32
@@ -97,11 +100,17 @@ class WeightOnlyLinear(QuantLinearScheme):
         layer.wo_dense = DenseWeightCache(lambda: self.dequantized_weight(layer))
         self.prepare_packed(layer)
         layer.wo_gemv = self.prepare_gemv(layer)
+        layer.wo_amx = None  # AMX-INT8 tiles for mid-sized M: int8 weights, per channel, no zero point
+        if self.bits == 8 and layer.wo_zero is None and layer.wo_scale.shape[1] == 1 and layer.wo_gemv is not None:
+            layer.wo_amx = prepare_int8_amx(self.int_weight(layer))
+            layer.wo_scale_vec = layer.wo_scale.reshape(-1).contiguous()
 
     def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:
         """How a C++ decode stack calls this linear's small-M kernel (``kernels.STACK_KIND_*``), None without it."""
         gemv = getattr(layer, "wo_gemv", None)
-        return gemv.stack_spec(getattr(layer, "bias", None)) if gemv is not None else None
+        if gemv is None:
+            return None
+        return gemv.stack_spec(getattr(layer, "bias", None), getattr(layer, "wo_amx", None))
 
     def gemv_weight(self, layer: nn.Module) -> torch.Tensor:
         """The weight operand of the small-M kernel: int8 values [N, K] (shared with the int8pack operand)."""
@@ -136,6 +145,11 @@ class WeightOnlyLinear(QuantLinearScheme):
         gemv = getattr(layer, "wo_gemv", None)
         if gemv is not None and gemv_fits(x, gemv.max_m):
             return gemv.linear(x, bias)
+        amx = getattr(layer, "wo_amx", None)
+        if amx is not None and x.dtype in (torch.bfloat16, torch.float16) and gemv_fits(x, INT8_AMX_MAX_M):
+            y = amx.linear_weight_only(x, layer.wo_scale_vec, bias)
+            if y is not None:  # None: x has a NaN / inf, which the paths below propagate
+                return y
         m = x.numel() // x.shape[-1]
         if layer.wo_packed is not None and x.device.type == "cpu" and weight_only_path(m) == "packed":
             return self.packed_linear(layer, x, bias)

@@ -112,7 +112,8 @@ def test_reference_env_switch(monkeypatch):
                              quant_config=SpecConfig(QuantSpec("W8A16")))
     load(layer, {"weight": t(q), "weight_scale": t(s), "weight_offset": torch.zeros(32, 1)})
     finish(layer)
-    x = t(gaussian((8, 64), 10)).bfloat16()  # above the small-M kernel's range (which matches the reference)
+    # above the integer kernels' ranges (small-M and AMX-INT8, whose exact sums match the reference): the dense path
+    x = t(gaussian((kernels.INT8_AMX_MAX_M + 1, 64), 10)).bfloat16()
     reference = layer.quant_method.apply_reference(layer, x)
     assert not torch.equal(layer(x), reference)  # the dense bf16 path rounds the dequantized weight first
     monkeypatch.setenv(kernels.REFERENCE_ENV, "1")
