@@ -234,9 +234,9 @@ def test_w8a8_dynamic_scheme_kernel_path(ops, dtype):
         assert_close(layer(x), layer.quant_method.apply_reference(layer, x, layer.bias))
 
 
-@pytest.mark.parametrize("modelslim", [True, False])
-def test_w8a8_static_scheme_kernel_path(ops, modelslim):
-    g = gen(7)
+def static_w8a8_layer(modelslim: bool, seed: int):
+    """A static W8A8 linear from a ModelSlim (offset, deq_scale, quant_bias) or compressed-tensors checkpoint."""
+    g = gen(seed)
     q = torch.randint(-128, 128, (N_OUT, K_IN), generator=g, dtype=torch.int8)
     s_w = torch.rand(N_OUT, 1, generator=g) * 0.01
     ck = {"weight": q, "weight_scale": s_w, "input_scale": torch.tensor([0.03])}
@@ -245,7 +245,12 @@ def test_w8a8_static_scheme_kernel_path(ops, modelslim):
                   deq_scale=(0.03 * s_w[:, 0]), quant_bias=torch.randint(-900, 900, (N_OUT,), generator=g,
                                                                           dtype=torch.int32))
     spec = QuantSpec("W8A8") if modelslim else QuantSpec("W8A8", source_format="compressed-tensors")
-    layer = build(spec, ck, bias=not modelslim)
+    return build(spec, ck, bias=not modelslim)
+
+
+@pytest.mark.parametrize("modelslim", [True, False])
+def test_w8a8_static_scheme_kernel_path(ops, modelslim):
+    layer = static_w8a8_layer(modelslim, 7)
     assert layer.w8a8_gemv is not None
     assert (layer.w8a8_amx is not None) == ops.amx_int8_available()
     for m in (1, 5, 40, kernels.INT8_AMX_MAX_M + 1):
@@ -549,19 +554,10 @@ def test_w8a8_amx_copy_counts_in_the_dual_layout_budget(ops):
 @pytest.mark.parametrize("modelslim", [True, False])
 def test_decode_stack_call_w8a8_static(ops, modelslim):
     """Static W8A8 joins the decode stack through the AMX-INT8 kernel with the module path's values."""
-    g = gen(12)
-    q = torch.randint(-128, 128, (N_OUT, K_IN), generator=g, dtype=torch.int8)
-    s_w = torch.rand(N_OUT, 1, generator=g) * 0.01
-    ck = {"weight": q, "weight_scale": s_w, "input_scale": torch.tensor([0.03])}
-    if modelslim:
-        ck.update(weight_offset=torch.zeros(N_OUT, 1), input_offset=torch.tensor([2.0]),
-                  deq_scale=(0.03 * s_w[:, 0]), quant_bias=torch.randint(-900, 900, (N_OUT,), generator=g,
-                                                                          dtype=torch.int32))
-    spec = QuantSpec("W8A8") if modelslim else QuantSpec("W8A8", source_format="compressed-tensors")
-    layer = build(spec, ck, bias=not modelslim)
+    layer = static_w8a8_layer(modelslim, 12)
     call = layer.quant_method.scheme.decode_stack_call(layer)
     assert call[0] == kernels.STACK_KIND_W8A8_STATIC_AMX
-    x = torch.randn(3, K_IN, generator=g).bfloat16()
+    x = torch.randn(3, K_IN, generator=gen(13)).bfloat16()
     assert torch.equal(run_stack_spec(ops, call, x), layer(x))
 
 

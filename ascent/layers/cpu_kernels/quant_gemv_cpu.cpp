@@ -433,6 +433,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void fixed_point_row_avx512
   for (int64_t j = 0; j < k; j += 16) split16(_mm512_loadu_ps(p + j), vinv, hi + j, lo + j);
 }
 
+// The static W8A8 quant_bias int32 [N] (checked), null when absent.
+const int32_t* quant_bias_of(const c10::optional<at::Tensor>& quant_bias, int64_t n) {
+  if (!quant_bias.has_value() || !quant_bias->defined()) return nullptr;
+  check_vec(*quant_bias, "quant_bias", n, at::kInt);
+  return quant_bias->data_ptr<int32_t>();
+}
+
 // x [M, K] (bf16 / fp16) as 16-bit fixed point rows (quant_wo_vnni.h's step and rounding): hi / lo [M, K] s8 and
 // the steps [M]; false when x has a non-finite value.
 bool fixed_point_rows(const at::Tensor& x, int64_t k, std::vector<int8_t>& hi, std::vector<int8_t>& lo,
@@ -484,11 +491,7 @@ at::Tensor w8a8_static_linear_amx(const at::Tensor& x_in, const at::Tensor& wp, 
   const int64_t n = check_amx_pack(wp), k = wp.size(1) * 64;
   const at::Tensor x = rows_of(x_in, k);
   check_vec(deq, "deq", n, at::kFloat);
-  const int32_t* qb = nullptr;
-  if (quant_bias.has_value() && quant_bias->defined()) {
-    check_vec(*quant_bias, "quant_bias", n, at::kInt);
-    qb = quant_bias->data_ptr<int32_t>();
-  }
+  const int32_t* qb = quant_bias_of(quant_bias, n);
   std::vector<uint8_t> xq;
   quantize_rows_static(x, k, k, /*vnni=*/false, static_cast<float>(input_scale), static_cast<float>(input_offset),
                        xq);
@@ -507,11 +510,7 @@ at::Tensor w8a8_static_linear(const at::Tensor& x_in, const at::Tensor& weight, 
   const int64_t n = weight.size(0), k = weight.size(1), ldx = (k + 63) / 64 * 64;
   const at::Tensor x = rows_of(x_in, k);
   check_vec(deq, "deq", n, at::kFloat);
-  const int32_t* qb = nullptr;
-  if (quant_bias.has_value() && quant_bias->defined()) {
-    check_vec(*quant_bias, "quant_bias", n, at::kInt);
-    qb = quant_bias->data_ptr<int32_t>();
-  }
+  const int32_t* qb = quant_bias_of(quant_bias, n);
   const bool vnni = use_vnni();
   std::vector<uint8_t> xq;
   quantize_rows_static(x, k, ldx, vnni, static_cast<float>(input_scale), static_cast<float>(input_offset), xq);
