@@ -42,7 +42,7 @@ _INCLUDES: dict[str, tuple[str, ...]] = {
     "fused_cpu.cpp": ("amx_tiles.h", "avx512_bf16.h", "avx512_attention.h", "amx_attention.h"),
     "amx_linear_cpu.cpp": ("amx_tiles.h",),
     "quant_gemv_cpu.cpp": ("amx_tiles.h", "quant_wo_blocks.h", "quant_wo_bf16.h", "quant_wo_fma8.h",
-                           "quant_wo_vnni.h", "quant_int8_blocks.h", "quant_amx_int8.h"),
+                           "quant_wo_vnni.h", "quant_int8_blocks.h", "quant_amx_int8.h", "quant_amx_ops.h"),
     "decode_stack_cpu.cpp": ("fused_cpu.cpp", "gemv_cpu.cpp", "quant_gemv_cpu.cpp", "amx_linear_cpu.cpp"),
 }
 

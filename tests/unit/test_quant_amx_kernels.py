@@ -1,0 +1,136 @@
+"""AMX-INT8 quantized linears (``ascent/layers/cpu_kernels/quant_amx_int8.h``): W8A8 dynamic / static bit-identical
+to the VNNI kernels and to the torch reference paths, W8A16 per channel (16-bit x as fixed point) within one
+rounding of the reference, the packed layout, the decode-stack calls and the dual-layout budget. Machines without
+AMX-INT8 run W8A8 / W8A16 on the VNNI kernels (``test_quant_gemv_kernels.py``) and skip these."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascent.layers.cpu_kernels import quant_ops
+from ascent.quantization import kernels
+from ascent.quantization.base import QuantSpec
+from tests.unit.test_quant_gemv_kernels import (  # noqa: F401  (ops is a fixture)
+    DTYPES, K_IN, N_OUT, assert_close, build, gen, operands, ops, ref_weight_only, run_stack_spec, static_w8a8_layer,
+)
+
+needs_amx_int8 = pytest.mark.skipif(not (quant_ops() and quant_ops().amx_int8_available()),
+                                    reason="the CPU has no AMX-INT8 (the VNNI kernel serves W8A8 then)")
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (17, 576, 960), (33, 1536, 48), (64, 192, 80), (100, 128, 32)])
+def test_w8a8_amx_kernel_bit_identical(ops, dtype, m, k, n):
+    g = gen(m * 7 + k + n)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) * 0.01 + 1e-3
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    x[0] = 0.0  # an all-zero row: s_x = 0
+    bias = torch.randn(n, generator=g).to(dtype)
+    packed = ops.w8a8_amx_pack(w)
+    for b in (None, bias):
+        y = ops.w8a8_dynamic_linear_amx(x, packed, scale, b)
+        assert torch.equal(y, kernels.int8_linear_dynamic(x, w.t(), scale, b))
+        assert torch.equal(y, ops.w8a8_dynamic_linear(x, w, w.sum(1, dtype=torch.int32), scale, b))
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (20, 576, 96), (70, 128, 48)])
+def test_w8a8_static_amx_kernel_bit_identical(ops, dtype, m, k, n):
+    g = gen(m + k + n)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    deq = torch.rand(n, generator=g) * 0.01 + 1e-4
+    qb = torch.randint(-1000, 1000, (n,), generator=g, dtype=torch.int32)
+    bias = torch.randn(n, generator=g).to(dtype)
+    packed = ops.w8a8_amx_pack(w)
+    for q, b in ((None, None), (qb, None), (qb, bias)):
+        y = ops.w8a8_static_linear_amx(x, packed, 0.021, 3.0, deq, q, b)
+        assert torch.equal(y, kernels.int8_linear_static(x, w.t(), 0.021, 3.0, deq, q, b))
+        assert torch.equal(y, ops.w8a8_static_linear(x, w, w.sum(1, dtype=torch.int32), 0.021, 3.0, deq, q, b))
+
+
+@needs_amx_int8
+def test_w8a8_amx_pack_layout_and_shape_checks(ops):
+    w = torch.randint(-128, 128, (32, 128), generator=gen(2), dtype=torch.int8)
+    packed = ops.w8a8_amx_pack(w)
+    assert packed.shape == (2, 2, 16, 64)
+    for nb, kb, r, c, t in ((0, 0, 0, 0, 0), (1, 1, 15, 15, 3), (1, 0, 3, 7, 2), (0, 1, 9, 12, 1)):
+        assert packed[nb, kb, r, 4 * c + t] == w[16 * nb + c, 64 * kb + 4 * r + t]
+    with pytest.raises(RuntimeError, match="N % 16"):
+        ops.w8a8_amx_pack(w[:24])
+    with pytest.raises(RuntimeError, match="K % 64"):
+        ops.w8a8_amx_pack(w[:, :96].contiguous())
+    with pytest.raises(RuntimeError, match="w8a8_amx_pack"):
+        ops.w8a8_dynamic_linear_amx(torch.randn(2, 128), w, torch.ones(32), None)
+
+
+@needs_amx_int8
+def test_w8a8_amx_copy_counts_in_the_dual_layout_budget(ops):
+    """The AMX-INT8 tiles are a second copy of the weight: over the budget they are released and the layer falls
+    back to the VNNI kernel with the same outputs."""
+    from torch import nn
+
+    from ascent.layers.cpu_packing import limit_dual_layouts
+
+    ck = {"weight": torch.randint(-128, 128, (N_OUT, K_IN), generator=gen(4), dtype=torch.int8),
+          "weight_scale": torch.rand(N_OUT, 1, generator=gen(5)) * 0.01}
+    layer = build(QuantSpec("W8A8_DYNAMIC"), ck, bias=True)
+    model = nn.Sequential(layer)
+    x = torch.randn(8, K_IN, generator=gen(6)).bfloat16()
+    before = layer(x)
+    assert limit_dual_layouts(model, budget_bytes=N_OUT * K_IN) == N_OUT * K_IN
+    assert layer.w8a8_amx is not None
+    assert limit_dual_layouts(model, budget_bytes=N_OUT * K_IN - 1) == 0
+    assert layer.w8a8_amx is None
+    assert torch.equal(layer(x), before)
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("modelslim", [True, False])
+def test_decode_stack_call_w8a8_static(ops, modelslim):
+    """Static W8A8 joins the decode stack through the AMX-INT8 kernel with the module path's values."""
+    layer = static_w8a8_layer(modelslim, 12)
+    call = layer.quant_method.scheme.decode_stack_call(layer)
+    assert call[0] == kernels.STACK_KIND_W8A8_STATIC_AMX
+    x = torch.randn(3, K_IN, generator=gen(13)).bfloat16()
+    assert torch.equal(run_stack_spec(ops, call, x), layer(x))
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (5, 576, 96), (17, 1536, 48), (40, 128, 80)])
+def test_w8a16_amx_kernel(ops, dtype, m, k, n):
+    """W8A16 on AMX-INT8 tiles (x as 16-bit fixed point, exact integer sums): within one rounding of the output;
+    a row's result does not depend on the batch; x with a NaN gives None (the caller falls back)."""
+    x, q, scale, _, bias = operands(m, k, n, 1, 8, m + k + n, dtype)
+    x[0, 3] = 200.0  # an outlier sets the row's step
+    packed = ops.w8a8_amx_pack(q)
+    for b in (None, bias):
+        y = ops.w8a16_linear_amx(x, packed, scale.view(-1), b)
+        assert_close(y, ref_weight_only(x, q, scale, None, b))
+        row = ops.w8a16_linear_amx(x[m - 1 :], packed, scale.view(-1), b)
+        assert torch.equal(row, y[m - 1 :])
+    x[m - 1, 0] = float("nan")
+    assert ops.w8a16_linear_amx(x, packed, scale.view(-1), None) is None
+
+
+@needs_amx_int8
+def test_w8a16_scheme_takes_amx_above_the_small_m_range(ops):
+    """Per-channel W8A16 without zero points: the small-M kernel up to its limit, the AMX kernel above, the dense
+    path past INT8_AMX_MAX_M; all within one rounding of the reference."""
+    g = gen(21)
+    q = torch.randint(-128, 128, (N_OUT, K_IN), generator=g, dtype=torch.int8)
+    ck = {"weight": q, "weight_scale": torch.rand(N_OUT, 1, generator=g) * 0.01,
+          "weight_offset": torch.zeros(N_OUT, 1)}
+    layer = build(QuantSpec("W8A16"), ck, bias=True)
+    assert layer.wo_amx is not None
+    for m in (1, kernels.WEIGHT_ONLY_GEMV_MAX_M[8] + 1, 40, kernels.INT8_AMX_MAX_M + 1):
+        x = torch.randn(m, K_IN, generator=gen(m)).bfloat16()
+        y = layer(x)
+        assert_close(y, layer.quant_method.apply_reference(layer, x, layer.bias))
+        if 4 < m <= kernels.INT8_AMX_MAX_M:
+            assert torch.equal(y, ops.w8a16_linear_amx(x, layer.wo_amx.packed, layer.wo_scale_vec, layer.bias))
