@@ -286,7 +286,8 @@ class Int8Amx:
 
     def stack_spec(self, w_scale: torch.Tensor, bias: torch.Tensor | None) -> StackSpec:
         """The decode-stack call (:data:`STACK_KIND_W8A8_DYNAMIC_AMX`)."""
-        return STACK_KIND_W8A8_DYNAMIC_AMX, [self.packed, w_scale, _or_empty(bias, w_scale), _or_empty(None, w_scale)], []
+        unused = torch.empty(0, dtype=w_scale.dtype)
+        return STACK_KIND_W8A8_DYNAMIC_AMX, [self.packed, w_scale, _or_empty(bias, w_scale), unused], []
 
     def linear(self, x: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """:func:`int8_linear_dynamic` (bit-identical) on AMX-INT8 tiles."""
