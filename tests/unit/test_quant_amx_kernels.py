@@ -134,3 +134,22 @@ def test_w8a16_scheme_takes_amx_above_the_small_m_range(ops):
         assert_close(y, layer.quant_method.apply_reference(layer, x, layer.bias))
         if 4 < m <= kernels.INT8_AMX_MAX_M:
             assert torch.equal(y, ops.w8a16_linear_amx(x, layer.wo_amx.packed, layer.wo_scale_vec, layer.bias))
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("params_dtype", [torch.bfloat16, torch.float32])
+def test_decode_stack_call_w8a16_amx(ops, params_dtype):
+    """A 16-bit model's per-channel W8A16 joins the stack with the AMX kernel above the small-M range (the module
+    path's choice); an fp32 model keeps the plain W8A16 call (AMX takes 16-bit activations only)."""
+    g = gen(31)
+    ck = {"weight": torch.randint(-128, 128, (N_OUT, K_IN), generator=g, dtype=torch.int8),
+          "weight_scale": torch.rand(N_OUT, 1, generator=g) * 0.01, "weight_offset": torch.zeros(N_OUT, 1)}
+    layer = build(QuantSpec("W8A16"), ck, bias=True, params_dtype=params_dtype)
+    call = layer.quant_method.scheme.decode_stack_call(layer)
+    if params_dtype is torch.float32:
+        assert call[0] == kernels.STACK_KIND_W8A16
+        return
+    assert call[0] == kernels.STACK_KIND_W8A16_AMX
+    for m in (2, 8, 40):
+        x = torch.randn(m, K_IN, generator=gen(m)).bfloat16()
+        assert torch.equal(run_stack_spec(ops, call, x), layer(x))

@@ -170,8 +170,9 @@ def test_empty_batch(ops):
 N_OUT, K_IN = 48, 256
 
 
-def build(spec: QuantSpec, ck: dict[str, torch.Tensor], bias: bool = False) -> torch.nn.Module:
-    layer = ReplicatedLinear(K_IN, N_OUT, bias=bias, params_dtype=torch.float32, quant_config=SpecConfig(spec))
+def build(spec: QuantSpec, ck: dict[str, torch.Tensor], bias: bool = False,
+          params_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    layer = ReplicatedLinear(K_IN, N_OUT, bias=bias, params_dtype=params_dtype, quant_config=SpecConfig(spec))
     load(layer, ck)
     if bias:
         layer.bias.data.copy_(torch.randn(N_OUT, generator=gen(9)))

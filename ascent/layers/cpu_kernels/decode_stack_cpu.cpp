@@ -77,7 +77,8 @@ struct LinearCall {
         const auto small_m = [&] {
           return ascent_quant::w8a16_linear(x, t[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
         };
-        if (x.size(0) <= ints[0]) return small_m();
+        const bool x16 = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+        if (x.size(0) <= ints[0] || !x16) return small_m();
         at::Tensor y = ascent_quant::w8a16_linear_amx(x, t[4], t[1].view({-1}), optional_tensor(t[3]));
         return y.defined() ? y : small_m();  // x with a NaN / inf
       }

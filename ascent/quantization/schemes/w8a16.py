@@ -110,7 +110,10 @@ class WeightOnlyLinear(QuantLinearScheme):
         gemv = getattr(layer, "wo_gemv", None)
         if gemv is None:
             return None
-        return gemv.stack_spec(getattr(layer, "bias", None), getattr(layer, "wo_amx", None))
+        # the AMX kernel serves 16-bit activations only (apply's choice): an fp32 model's stack keeps the small-M range
+        amx = getattr(layer, "wo_amx", None) if getattr(layer, "params_dtype", None) in (torch.bfloat16,
+                                                                                        torch.float16) else None
+        return gemv.stack_spec(getattr(layer, "bias", None), amx)
 
     def gemv_weight(self, layer: nn.Module) -> torch.Tensor:
         """The weight operand of the small-M kernel: int8 values [N, K] (shared with the int8pack operand)."""
