@@ -315,12 +315,12 @@ class Int8Amx:
 
 def prepare_int8_amx(weight: torch.Tensor) -> Int8Amx | None:
     """AMX-INT8 operands for an int8 ``weight [N, K]``; None without the kernels or AMX-INT8 (or ``ASCENT_CPU_AMX=0``),
-    or when N % 16 or K % 64."""
+    or when N % 16, K % 64 or K > 65536."""
     ops = gemv_module(weight)
     if ops is None or os.environ.get("ASCENT_CPU_AMX", "1") == "0" or not ops.amx_int8_available():
         return None
-    if weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 64:
-        return None
+    if weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 64 or weight.shape[1] > 65536:
+        return None  # (int32 sums of 127 * 128 products stay exact up to K = 2^17)
     return Int8Amx(ops, ops.w8a8_amx_pack(weight.contiguous()))
 
 

@@ -126,8 +126,9 @@ def test_w8a16_scheme_takes_amx_above_the_small_m_range(ops):
     q = torch.randint(-128, 128, (N_OUT, K_IN), generator=g, dtype=torch.int8)
     ck = {"weight": q, "weight_scale": torch.rand(N_OUT, 1, generator=g) * 0.01,
           "weight_offset": torch.zeros(N_OUT, 1)}
-    layer = build(QuantSpec("W8A16"), ck, bias=True)
+    layer = build(QuantSpec("W8A16"), ck, bias=True, params_dtype=torch.bfloat16)
     assert layer.wo_amx is not None
+    assert build(QuantSpec("W8A16"), ck).wo_amx is None  # an fp32 model: no AMX copy (it takes 16-bit x only)
     for m in (1, kernels.WEIGHT_ONLY_GEMV_MAX_M[8] + 1, 40, kernels.INT8_AMX_MAX_M + 1):
         x = torch.randn(m, K_IN, generator=gen(m)).bfloat16()
         y = layer(x)
@@ -140,7 +141,7 @@ def test_w8a16_scheme_takes_amx_above_the_small_m_range(ops):
 @pytest.mark.parametrize("params_dtype", [torch.bfloat16, torch.float32])
 def test_decode_stack_call_w8a16_amx(ops, params_dtype):
     """A 16-bit model's per-channel W8A16 joins the stack with the AMX kernel above the small-M range (the module
-    path's choice); an fp32 model keeps the plain W8A16 call (AMX takes 16-bit activations only)."""
+    path's choice); an fp32 model has no AMX copy and keeps the plain W8A16 call (AMX takes 16-bit x only)."""
     g = gen(31)
     ck = {"weight": torch.randint(-128, 128, (N_OUT, K_IN), generator=g, dtype=torch.int8),
           "weight_scale": torch.rand(N_OUT, 1, generator=g) * 0.01, "weight_offset": torch.zeros(N_OUT, 1)}

@@ -100,8 +100,9 @@ class WeightOnlyLinear(QuantLinearScheme):
         layer.wo_dense = DenseWeightCache(lambda: self.dequantized_weight(layer))
         self.prepare_packed(layer)
         layer.wo_gemv = self.prepare_gemv(layer)
-        layer.wo_amx = None  # AMX-INT8 tiles for mid-sized M: int8 weights, per channel, no zero point
-        if self.bits == 8 and layer.wo_zero is None and layer.wo_scale.shape[1] == 1 and layer.wo_gemv is not None:
+        layer.wo_amx = None  # AMX-INT8 tiles for mid-sized M: int8 weights, per channel, no zero point, 16-bit model
+        if (self.bits == 8 and layer.wo_zero is None and layer.wo_scale.shape[1] == 1 and layer.wo_gemv is not None
+                and getattr(layer, "params_dtype", None) in (torch.bfloat16, torch.float16)):
             layer.wo_amx = prepare_int8_amx(self.int_weight(layer))
             layer.wo_scale_vec = layer.wo_scale.reshape(-1).contiguous()
 
@@ -110,10 +111,7 @@ class WeightOnlyLinear(QuantLinearScheme):
         gemv = getattr(layer, "wo_gemv", None)
         if gemv is None:
             return None
-        # the AMX kernel serves 16-bit activations only (apply's choice): an fp32 model's stack keeps the small-M range
-        amx = getattr(layer, "wo_amx", None) if getattr(layer, "params_dtype", None) in (torch.bfloat16,
-                                                                                        torch.float16) else None
-        return gemv.stack_spec(getattr(layer, "bias", None), amx)
+        return gemv.stack_spec(getattr(layer, "bias", None), getattr(layer, "wo_amx", None))
 
     def gemv_weight(self, layer: nn.Module) -> torch.Tensor:
         """The weight operand of the small-M kernel: int8 values [N, K] (shared with the int8pack operand)."""
