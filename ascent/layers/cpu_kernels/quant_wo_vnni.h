@@ -109,6 +109,18 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m51
   return v;
 }
 
+// c[q] -= offset * (s[4q] + s[4q + 1] + s[4q + 2] + s[4q + 3]) for q < 4 (exact int32; the lanes' corrections).
+__attribute__((target("avx512f,avx512vl"), always_inline)) inline void sub_quad_sums(int32_t* c, __m512i s,
+                                                                                 int32_t offset) {
+  const __m512i pairs = _mm512_add_epi32(s, _mm512_shuffle_epi32(s, _MM_PERM_CDAB));
+  const __m512i quads = _mm512_add_epi32(pairs, _mm512_shuffle_epi32(pairs, _MM_PERM_BADC));  // per 128-bit lane
+  const __m128i firsts = _mm512_castsi512_si128(_mm512_permutexvar_epi32(
+      _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), quads));
+  const __m128i cur = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(c),
+                   _mm_sub_epi32(cur, _mm_mullo_epi32(firsts, _mm_set1_epi32(offset))));
+}
+
 // wo_vnni_fill_row for a bf16 row, 32 columns per step. int4: the even / odd columns of a 32-column piece are the
 // low / high halves of its dwords, which is the chunk's even / odd byte order already; int8: natural order.
 template <int kBits>
@@ -118,7 +130,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void wo_vnni_fill_bf16(cons
   using G = VnniGeometry<kBits>;
   const __m512 inv = _mm512_set1_ps(inv_step);
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  alignas(64) int32_t sums[16];
   for (int64_t j = 0; j < k; j += 32) {
     const __mmask32 mask = k - j >= 32 ? ~0u : (1u << (k - j)) - 1;
     const __m512i v = _mm512_maskz_loadu_epi16(mask, p + j);
@@ -127,17 +138,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void wo_vnni_fill_bf16(cons
     if constexpr (kBits == 4) {  // dword i: columns j + 2i, j + 2i + 1 (lanes of 8 columns: 4 dwords each)
       const __m512i even = split16(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), inv, chunk, chunk + 128);
       const __m512i odd = split16(_mm512_castsi512_ps(_mm512_and_si512(v, high)), inv, chunk + 64, chunk + 192);
-      _mm512_store_si512(sums, _mm512_add_epi32(even, odd));
-      for (int q = 0; q < 4; ++q)
-        c[q] -= G::kOffset * (sums[4 * q] + sums[4 * q + 1] + sums[4 * q + 2] + sums[4 * q + 3]);
+      sub_quad_sums(c, _mm512_add_epi32(even, odd), G::kOffset);
     } else {  // columns j .. j + 15, then j + 16 .. j + 31 (lanes of 4 columns)
       for (int half = 0; half < 2; ++half) {
         const __m512i wide = _mm512_cvtepu16_epi32(half ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v));
         const __m512i xs = split16(_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)), inv, chunk + 16 * half,
                                    chunk + 64 + 16 * half);
-        _mm512_store_si512(sums, xs);
-        for (int q = 0; q < 4; ++q)
-          c[4 * half + q] -= G::kOffset * (sums[4 * q] + sums[4 * q + 1] + sums[4 * q + 2] + sums[4 * q + 3]);
+        sub_quad_sums(c + 4 * half, xs, G::kOffset);
       }
     }
   }
