@@ -1,9 +1,12 @@
-"""CPU bf16/fp16 linear weights: oneDNN-packed for GEMM-sized calls, plain rows for the small-M C++ kernel.
+"""CPU bf16/fp16 linear weights: oneDNN-packed (or fp32 where oneDNN lacks native 16-bit GEMM) for GEMM-sized
+calls, plain rows for the small-M C++ kernel.
 
 oneDNN re-lays-out a plain row-major bf16 weight on every matmul call; packing it once after loading removes that
 traffic (measured here: a SmolLM2-shaped bf16 decode step's linears 20.8 -> 14.0 ms at batch 1, 28 -> 21 ms at
-batch 64). fp32 weights are left alone (MKL's sgemv already streams at memory bandwidth). Packing is skipped when
-oneDNN lacks bf16 support on this CPU or when ``ASCENT_CPU_PACK_WEIGHTS=0``.
+batch 64). fp32 weights are left alone (MKL's sgemv already streams at memory bandwidth). Where oneDNN lacks native
+bf16/fp16 kernels (AVX2 CPUs), torch's 16-bit matmul is emulated at ~10 GFLOP/s on 2 threads against ~40-57 for
+fp32 (Zen 1, 32-256 rows): the GEMM layout is then an fp32 copy of the weight (:func:`pack_linear_weight`).
+``ASCENT_CPU_PACK_WEIGHTS=0`` disables both.
 
 Decode-sized calls (at most ``SMALL_M_MAX`` rows) go to ``gemv_cpu.cpp`` instead: one pybind call that streams the
 plain weight with software prefetch, where oneDNN pays ~10 µs of primitive dispatch per call and AMX tiles that
@@ -60,27 +63,50 @@ def amx_linear_weight(weight: torch.Tensor) -> AmxWeight | None:
     return AmxWeight(ops, ops.amx_pack(weight.detach())) if ops is not None else None
 
 
-def packing_supported(weight: torch.Tensor) -> bool:
+def _packable(weight: torch.Tensor) -> bool:
+    """A 16-bit 2-D CPU weight, with packing not switched off (``ASCENT_CPU_PACK_WEIGHTS=0``)."""
     if os.environ.get("ASCENT_CPU_PACK_WEIGHTS", "1") == "0":
         return False
-    if weight.device.type != "cpu" or weight.dtype not in _PACKABLE_DTYPES or weight.dim() != 2:
-        return False
+    return weight.device.type == "cpu" and weight.dtype in _PACKABLE_DTYPES and weight.dim() == 2
+
+
+def native_16bit_gemm(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has native ``dtype`` (bf16/fp16) GEMM kernels on this CPU (AVX512-BF16 / AVX512-FP16 / AMX
+    class); elsewhere (AVX2 CPUs such as AMD Zen 1-3) torch's 16-bit matmul emulates them at a fraction of the fp32
+    rate."""
     if not torch.backends.mkldnn.is_available():
         return False
-    if weight.dtype == torch.bfloat16:
+    if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
+def packing_supported(weight: torch.Tensor) -> bool:
+    """oneDNN can pack this weight for its native 16-bit GEMM."""
+    return _packable(weight) and native_16bit_gemm(weight.dtype)
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight [out, in]`` -> an opaque oneDNN tensor for ``packed_linear``, or None when packing does not apply."""
-    if not packing_supported(weight):
+    """``weight [out, in]`` -> its GEMM layout for ``packed_linear``: an opaque oneDNN tensor where oneDNN has native
+    16-bit kernels, else an fp32 copy (fp32 GEMM at the CPU's full FMA rate, measured 4-5x the emulated bf16 matmul
+    from 32 rows up on an AVX2 Zen 1, 2 threads) when it takes at most a quarter of the memory available now; None
+    when neither applies."""
+    if not _packable(weight):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+    if native_16bit_gemm(weight.dtype):
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+    if weight.numel() * 4 > dual_layout_budget_bytes(default_only=True):
+        return None
+    return weight.detach().float().contiguous()
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [..., in]`` (the packed dtype) -> ``[..., out]``; same result as ``F.linear`` with the unpacked weight."""
+    """``x [..., in]`` -> ``[..., out]`` in x's dtype; same result as ``F.linear`` with the unpacked weight up to fp32
+    summation order. An fp32 ``packed`` (the copy of ``pack_linear_weight`` on CPUs without native 16-bit GEMM) takes
+    x widened to fp32 and rounds the result once to x's dtype, as the 16-bit GEMM does (fp32 accumulation)."""
+    if packed.dtype == torch.float32:
+        out = F.linear(x.float(), packed, bias.float() if bias is not None else None)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -105,15 +131,16 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Non
             and x.numel() <= SMALL_M_MAX * weight.shape[1]
             and (bias is None or bias.dtype == x.dtype)):
         return small_m.linear_small_m(x, weight, bias)
-    if packed is not None and x.dtype == packed.dtype:
+    if packed is not None and (x.dtype == packed.dtype or packed.dtype == torch.float32):
         return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
 
 
-def dual_layout_budget_bytes() -> int:
+def dual_layout_budget_bytes(default_only: bool = False) -> int:
     """Extra bytes a model may spend on plain copies beside its packed weights: ``ASCENT_CPU_DUAL_LAYOUT_BYTES``, else
-    a quarter of the memory available now (Linux ``sysconf``; 0 where unknown)."""
-    configured = os.environ.get("ASCENT_CPU_DUAL_LAYOUT_BYTES")
+    a quarter of the memory available now (Linux ``sysconf``; 0 where unknown). ``default_only``: ignore the
+    variable (the per-weight limit of fp32 GEMM copies, which replace rather than duplicate a layout)."""
+    configured = None if default_only else os.environ.get("ASCENT_CPU_DUAL_LAYOUT_BYTES")
     if configured is not None:
         value = int(configured)
         if value < 0:

@@ -75,6 +75,9 @@ STACK_KIND_W8A16, STACK_KIND_W4A16, STACK_KIND_W8A8_DYNAMIC = 1, 2, 3
 #   6 W8A16 per channel with AMX-INT8 above the small-M range: w8a16_linear up to ints[0] rows, else
 #     w8a16_linear_amx(x, packed, scale, bias?)               tensors [weight, scale, zero, bias, packed], ints [max_m]
 STACK_KIND_W8A8_DYNAMIC_AMX, STACK_KIND_W8A8_STATIC_AMX, STACK_KIND_W8A16_AMX = 4, 5, 6
+#   7 W8A8 static on the small-M kernel (CPUs without AMX-INT8): ascent_quant::w8a8_static_linear(x, weight, row_sum,
+#     s_x, z_x, deq, quant_bias?, bias?)   tensors [weight, row_sum, deq, quant_bias, bias, fp32 [s_x, z_x]]
+STACK_KIND_W8A8_STATIC = 7
 StackSpec = tuple[int, list[torch.Tensor], list[int]]
 
 
@@ -331,6 +334,14 @@ def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 def int8_dynamic_stack_spec(g: Int8Gemv, w_scale: torch.Tensor, bias: torch.Tensor | None) -> StackSpec:
     """The decode-stack call of a W8A8 dynamic linear (see :data:`STACK_KIND_W8A8_DYNAMIC`)."""
     return STACK_KIND_W8A8_DYNAMIC, [g.weight, g.row_sum, w_scale, _or_empty(bias, w_scale)], []
+
+
+def int8_static_stack_spec(g: Int8Gemv, input_scale: float, input_offset: float, deq_scale: torch.Tensor,
+                           quant_bias: torch.Tensor | None, bias: torch.Tensor | None) -> StackSpec:
+    """The decode-stack call of a static W8A8 linear on the small-M kernel (:data:`STACK_KIND_W8A8_STATIC`)."""
+    scale_offset = torch.tensor([float(input_scale), float(input_offset)], dtype=torch.float32)
+    return STACK_KIND_W8A8_STATIC, [g.weight, g.row_sum, deq_scale, _or_empty(quant_bias, deq_scale),
+                                    _or_empty(bias, deq_scale), scale_offset], []
 
 
 def int8_gemv_dynamic(g: Int8Gemv, x: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None

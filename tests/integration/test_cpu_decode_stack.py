@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ascent import LLM, SamplingParams
 from tests.fixtures.tiny_models import build_model
@@ -42,11 +43,16 @@ def test_stack_equals_module_path(tmp_path, monkeypatch, kind, layer_types):
 
 
 @pytest.mark.parametrize("dual_layout_bytes", [None, "0"])
-def test_stack_beyond_the_small_m_range_equals_module_path(tmp_path, monkeypatch, dual_layout_bytes):
+@pytest.mark.parametrize("gemm_layout", ["cpu", "fp32"])
+def test_stack_beyond_the_small_m_range_equals_module_path(tmp_path, monkeypatch, dual_layout_bytes, gemm_layout):
     """Batches above SMALL_M_MAX: unquantized projections make the same per-call choice in both paths (AMX tiles or
-    the plain rows kept beside the oneDNN-packed weight, and with those released so only the packed weights exist)."""
+    the plain rows kept beside the oneDNN-packed weight, and with those released so only the packed weights exist).
+    ``fp32``: the GEMM layout of CPUs without native 16-bit GEMM (an fp32 copy), whatever this CPU has."""
+    from ascent.layers import cpu_packing
     from ascent.layers.cpu_packing import SMALL_M_MAX
 
+    if gemm_layout == "fp32":
+        monkeypatch.setattr(cpu_packing, "native_16bit_gemm", lambda dtype: False)
     if dual_layout_bytes is not None:
         monkeypatch.setenv("ASCENT_CPU_DUAL_LAYOUT_BYTES", dual_layout_bytes)
     model_dir = str(build_model("llama", tmp_path / "m", seed=7))
@@ -56,6 +62,7 @@ def test_stack_beyond_the_small_m_range_equals_module_path(tmp_path, monkeypatch
     layer = stack.model.layers[0].self_attn.qkv_proj
     second_copy = layer.amx_weight is not None or layer.weight.numel() > 0  # AMX tiles, else the plain rows
     assert second_copy == (dual_layout_bytes is None) and layer.packed_weight is not None
+    assert (layer.packed_weight.dtype == torch.float32) == (not cpu_packing.native_16bit_gemm(torch.bfloat16))
     plain, _, _ = _run(model_dir, monkeypatch, "0", prompts)
     assert fused == plain
 
@@ -105,12 +112,15 @@ def test_batched_speculative_verification_through_the_stack_equals_module_path(t
     assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("scheme,fmt", [("w8a8_dynamic", "compressed-tensors"), ("w8a16", "modelslim"),
-                                        ("w4a16", "compressed-tensors"), ("w8a8", "modelslim")])
-def test_quantized_stack_equals_module_path(tmp_path, monkeypatch, scheme, fmt):
+@pytest.mark.parametrize("scheme,fmt,amx", [("w8a8_dynamic", "compressed-tensors", "1"), ("w8a16", "modelslim", "1"),
+                                            ("w4a16", "compressed-tensors", "1"), ("w8a8", "modelslim", "1"),
+                                            ("w8a8", "modelslim", "0")])
+def test_quantized_stack_equals_module_path(tmp_path, monkeypatch, scheme, fmt, amx):
     """Quantized projections join the stack through their schemes' small-M kernels (within each scheme's own
-    small-M range, so the values are the module path's)."""
+    small-M range, so the values are the module path's); ``amx`` 0: the kernels of CPUs without AMX-INT8."""
     from ascent.quantization.export.quantize import quantize_model
+
+    monkeypatch.setenv("ASCENT_CPU_AMX", amx)
 
     float_dir = build_model("llama", tmp_path / "float", seed=6, hidden_size=128, intermediate_size=256,
                             head_dim=32)

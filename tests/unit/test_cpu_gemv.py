@@ -24,11 +24,19 @@ def _ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x, dtype=torch.float32), exp - bits)
 
 
+@pytest.fixture(params=[0, 1, 2, 3], ids=["scalar", "avx2", "avx512f", "avx512bf16"])
+def isa(gemv, request):
+    """Every instruction-set path the CPU has (levels above it run its best path): set_isa_limit caps the kernel."""
+    previous = gemv.set_isa_limit(request.param)
+    yield request.param
+    gemv.set_isa_limit(previous)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("n,k", [(96, 64), (37, 100), (260, 576), (5, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_fp32_reference_within_one_ulp(gemv, dtype, m, n, k, with_bias):
+def test_matches_fp32_reference_within_one_ulp(gemv, isa, dtype, m, n, k, with_bias):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype)
@@ -89,6 +97,42 @@ def test_dispatch_small_m_kernel_then_packed(gemv):
     assert cpu_packing.cpu_linear(torch.randn(1, 32).to(torch.bfloat16), torch.empty(0, dtype=torch.bfloat16),
                                   packed, None, recorder).shape == (1, 64)
     assert recorder.calls == cpu_packing.SMALL_M_MAX
+
+
+def test_isa_limit_rejects_bad_levels(gemv):
+    with pytest.raises(RuntimeError, match="level must be in"):
+        gemv.set_isa_limit(4)
+    assert gemv.set_isa_limit(3) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp32_gemm_copy_without_native_16bit_gemm(monkeypatch, dtype, with_bias):
+    """Where oneDNN has no native 16-bit GEMM, the GEMM layout is an fp32 copy: x widened, fp32 sums, one rounding
+    to x's dtype, so every row is within one output rounding of the exact value (as F.linear's 16-bit GEMM)."""
+    monkeypatch.setattr(cpu_packing, "native_16bit_gemm", lambda dtype: False)
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(48, 80, generator=gen) * 0.1).to(dtype)
+    bias = torch.randn(48, generator=gen).to(dtype) if with_bias else None
+    packed = cpu_packing.pack_linear_weight(w)
+    assert packed is not None and packed.dtype == torch.float32 and torch.equal(packed, w.float())
+    for m in (1, 7, 33):
+        x = torch.randn(m, 80, generator=gen).to(dtype)
+        exact = x.float() @ w.float().T + (bias.float() if with_bias else 0.0)
+        got = cpu_packing.cpu_linear(x, torch.empty(0, dtype=dtype), packed, bias, None)
+        assert got.dtype == dtype and got.shape == (m, 48)
+        assert (got.float() - exact).abs().le(_ulp(exact.to(dtype)) + 1e-4 * exact.abs().max()).all()
+    monkeypatch.setenv("ASCENT_CPU_PACK_WEIGHTS", "0")
+    assert cpu_packing.pack_linear_weight(w) is None
+
+
+def test_fp32_gemm_copy_limited_to_a_quarter_of_available_memory(monkeypatch):
+    monkeypatch.setattr(cpu_packing, "native_16bit_gemm", lambda dtype: False)
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(cpu_packing, "dual_layout_budget_bytes", lambda default_only=False: 64 * 64 * 4 - 1)
+    assert cpu_packing.pack_linear_weight(w) is None
+    monkeypatch.setattr(cpu_packing, "dual_layout_budget_bytes", lambda default_only=False: 64 * 64 * 4)
+    assert cpu_packing.pack_linear_weight(w).dtype == torch.float32
 
 
 def test_kernel_switch_off(monkeypatch):

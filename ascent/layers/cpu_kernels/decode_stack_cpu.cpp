@@ -23,9 +23,16 @@ c10::optional<at::Tensor> optional_tensor(const at::Tensor& t) {
   return t.defined() && t.numel() > 0 ? c10::optional<at::Tensor>(t) : c10::nullopt;
 }
 
-// torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "") — cpu_packing.packed_linear's op, through the
-// dispatcher (boxed: the op's C++ signature is not part of torch's public headers).
+// cpu_packing.packed_linear: an fp32 GEMM copy (CPUs without native 16-bit GEMM) takes x widened to fp32 and rounds
+// once to x's dtype; a oneDNN-packed weight goes to torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [],
+// "") through the dispatcher (boxed: the op's C++ signature is not part of torch's public headers).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  if (packed.scalar_type() == at::kFloat) {
+    const c10::optional<at::Tensor> bias32 =
+        bias.has_value() ? c10::optional<at::Tensor>(bias->to(at::kFloat)) : c10::nullopt;
+    at::Tensor out = at::linear(x.to(at::kFloat), packed, bias32);
+    return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  }
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, packed, bias, std::string("none"), c10::List<c10::optional<c10::Scalar>>(),
@@ -52,7 +59,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 struct LinearCall {
   enum Kind : int64_t {
     kDense = 0, kW8A16 = 1, kW4A16 = 2, kW8A8Dynamic = 3, kW8A8DynamicAmx = 4, kW8A8StaticAmx = 5,
-    kW8A16Amx = 6
+    kW8A16Amx = 6, kW8A8Static = 7
   };
   int64_t kind = kDense;
   // kDense: [weight [N, K] bf16/fp16 (empty when no plain copy is kept), bias, oneDNN-packed weight, AMX tiles] with
@@ -60,7 +67,8 @@ struct LinearCall {
   // with ints [K] for kW4A16; kW8A8Dynamic: [weight int8 [N, K], row_sum, w_scale, bias]; kW8A8DynamicAmx: [AMX-INT8
   // packed weight, w_scale, bias, unused]; kW8A8StaticAmx: [packed weight, deq, quant_bias, bias, fp32 [input_scale,
   // input_offset]]; kW8A16Amx: kW8A16's tensors and the AMX-INT8 packed weight, ints [small-M row limit] (the
-  // small-M kernel up to it, the AMX one above). See quantization/kernels.py.
+  // small-M kernel up to it, the AMX one above); kW8A8Static: [weight int8 [N, K], row_sum, deq, quant_bias, bias,
+  // fp32 [input_scale, input_offset]]. See quantization/kernels.py.
   std::vector<at::Tensor> tensors;
   std::vector<int64_t> ints;
 
@@ -87,22 +95,29 @@ struct LinearCall {
         return ascent_quant::w8a8_static_linear_amx(x, t[0], so[0], so[1], t[1], optional_tensor(t[2]),
                                                     optional_tensor(t[3]));
       }
+      case kW8A8Static: {
+        const float* so = t[5].data_ptr<float>();
+        return ascent_quant::w8a8_static_linear(x, t[0], t[1], so[0], so[1], t[2], optional_tensor(t[3]),
+                                                optional_tensor(t[4]));
+      }
       default: TORCH_CHECK(false, "DecodeStack: unknown linear kind ", kind);
     }
   }
 
   static LinearCall make(int64_t kind, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
-    const size_t want_tensors = kind == kW8A8StaticAmx || kind == kW8A16Amx ? 5 : 4;
+    const size_t want_tensors = kind == kW8A8StaticAmx || kind == kW8A16Amx ? 5 : (kind == kW8A8Static ? 6 : 4);
     const size_t want_ints = kind == kDense ? 2 : (kind == kW4A16 || kind == kW8A16Amx ? 1 : 0);
-    TORCH_CHECK(kind >= kDense && kind <= kW8A16Amx && tensors.size() == want_tensors &&
+    TORCH_CHECK(kind >= kDense && kind <= kW8A8Static && tensors.size() == want_tensors &&
                     ints.size() == want_ints,
                 "DecodeStack: linear kind ", kind, " with ", tensors.size(), " tensors / ", ints.size(), " ints");
     const bool amx = kind == kW8A8DynamicAmx || kind == kW8A8StaticAmx;
     TORCH_CHECK(tensors[0].dim() == (amx ? 4 : 2) || (kind == kDense && ints[0] == 0),
                 "DecodeStack: weight operand of kind ", kind, " has ", tensors[0].dim(), " dims");
-    TORCH_CHECK(kind != kW8A8StaticAmx || (tensors[4].scalar_type() == at::kFloat && tensors[4].numel() == 2 &&
-                                            tensors[4].is_contiguous()),
-                "DecodeStack: kind 5 needs fp32 [input_scale, input_offset]");
+    if (kind == kW8A8StaticAmx || kind == kW8A8Static) {
+      const at::Tensor& so = tensors.back();
+      TORCH_CHECK(so.scalar_type() == at::kFloat && so.numel() == 2 && so.is_contiguous(),
+                  "DecodeStack: kind ", kind, " needs fp32 [input_scale, input_offset]");
+    }
     return LinearCall{kind, std::move(tensors), std::move(ints)};
   }
 };

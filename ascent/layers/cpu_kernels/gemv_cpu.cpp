@@ -4,7 +4,7 @@
 // 16-bit floats are exact in fp32), the result is rounded once to x's dtype, as F.linear does. A decode step is a
 // weight stream: every output row reads its K weights once, so the kernels walk W row-block by row-block (4 rows,
 // contiguous in memory) and reuse each loaded W vector for up to 4 rows of x. Rows are split over torch's intra-op
-// threads. AVX512-BF16 (vdpbf16ps) and AVX512F/AVX2 paths are chosen at run time; a scalar path covers the rest.
+// threads. AVX512-BF16 (vdpbf16ps), AVX512F and AVX2+FMA paths are chosen at run time; a scalar path covers the rest.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -149,20 +149,103 @@ void gemv_block_fma512(const GemvArgs& a, int64_t n0, int64_t rows, int64_t m0, 
       a.store(m0 + j, n0 + r, _mm512_reduce_add_ps(acc[r][j]));
 }
 
-enum class Path { kScalar, kFma512, kBf16Dot };
+// ----------------------------------------------------------------------------------------------------------------
+// AVX2 + FMA (CPUs without AVX512, e.g. AMD Zen 1-3): widen 8 halves/bf16 to fp32 and FMA. 16 ymm registers hold
+// R * MS accumulators, MS x vectors and one W vector, so blocks are at most 4 W rows x 2 x rows. A K tail (K % 8)
+// is summed in scalar fp32 after the vector lanes.
+template <bool kIsHalf>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 widen8_256(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (kIsHalf) return _mm256_cvtph_ps(raw);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <typename T, bool kIsHalf, int R, int MS>
+__attribute__((target("avx2,fma,f16c"))) void gemv_block_avx2(const GemvArgs& a, int64_t n0, int64_t m0) {
+  const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.k;
+  const uint16_t* w = static_cast<const uint16_t*>(a.w) + n0 * a.k;
+  __m256 acc[R][MS];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < MS; ++j) acc[r][j] = _mm256_setzero_ps();
+  const int64_t k_main = a.k & ~int64_t(7);
+  for (int64_t i = 0; i < k_main; i += 8) {
+    __m256 xv[MS];
+#pragma GCC unroll 8
+    for (int j = 0; j < MS; ++j) xv[j] = widen8_256<kIsHalf>(x + j * a.k + i);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + kPrefetchRows) * a.k + i), _MM_HINT_T0);
+      const __m256 wv = widen8_256<kIsHalf>(w + r * a.k + i);
+#pragma GCC unroll 8
+      for (int j = 0; j < MS; ++j) acc[r][j] = _mm256_fmadd_ps(wv, xv[j], acc[r][j]);
+    }
+  }
+  const T* xt = static_cast<const T*>(a.x) + m0 * a.k;
+  const T* wt = static_cast<const T*>(a.w) + n0 * a.k;
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < MS; ++j) {
+      float sum = hsum256(acc[r][j]);
+      for (int64_t i = k_main; i < a.k; ++i)
+        sum += static_cast<float>(wt[r * a.k + i]) * static_cast<float>(xt[j * a.k + i]);
+      a.store(m0 + j, n0 + r, sum);
+    }
+}
+
+// x rows in passes of 4 (over 2 W rows), then 2 and 1 (over R W rows): each W vector widened once per pass.
+template <typename T, bool kIsHalf, int R>
+void gemv_rows_avx2(const GemvArgs& a, int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= a.m; m0 += 4)
+    for (int r = 0; r < R; r += 2) {
+      if (r + 2 <= R) gemv_block_avx2<T, kIsHalf, 2, 4>(a, n0 + r, m0);
+      else gemv_block_avx2<T, kIsHalf, 1, 4>(a, n0 + r, m0);
+    }
+  for (; m0 + 2 <= a.m; m0 += 2) gemv_block_avx2<T, kIsHalf, R, 2>(a, n0, m0);
+  if (m0 < a.m) gemv_block_avx2<T, kIsHalf, R, 1>(a, n0, m0);
+}
+
+template <typename T, bool kIsHalf>
+void run_rows_avx2(const GemvArgs& a, int64_t row_begin, int64_t row_end) {
+  int64_t n0 = row_begin;
+  for (; n0 + kRowBlock <= row_end; n0 += kRowBlock) gemv_rows_avx2<T, kIsHalf, kRowBlock>(a, n0);
+  for (; n0 < row_end; ++n0) gemv_rows_avx2<T, kIsHalf, 1>(a, n0);
+}
+
+enum class Path { kScalar, kAvx2, kFma512, kBf16Dot };
+
+// Highest instruction-set level the kernel may use (tests lower it to cover every path on one CPU):
+// 0 scalar, 1 AVX2, 2 AVX512F, 3 AVX512-BF16.
+int64_t g_isa_limit = 3;
 
 Path pick_path(bool is_half) {
+  static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                               __builtin_cpu_supports("f16c");
   static const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
   static const bool has_bf16_dot = has512 && __builtin_cpu_supports("avx512bf16");
-  if (!is_half && has_bf16_dot) return Path::kBf16Dot;
-  return has512 ? Path::kFma512 : Path::kScalar;
+  if (!is_half && has_bf16_dot && g_isa_limit >= 3) return Path::kBf16Dot;
+  if (has512 && g_isa_limit >= 2) return Path::kFma512;
+  return has_avx2 && g_isa_limit >= 1 ? Path::kAvx2 : Path::kScalar;
 }
 
 void run_rows(const GemvArgs& a, Path path, bool is_half, int64_t row_begin, int64_t row_end) {
   if (path == Path::kScalar) {
     if (is_half) gemv_rows_scalar<c10::Half>(a, row_begin, row_end);
     else gemv_rows_scalar<c10::BFloat16>(a, row_begin, row_end);
+    return;
+  }
+  if (path == Path::kAvx2) {
+    if (is_half) run_rows_avx2<c10::Half, true>(a, row_begin, row_end);
+    else run_rows_avx2<c10::BFloat16, false>(a, row_begin, row_end);
     return;
   }
   if (path == Path::kBf16Dot) {
@@ -218,9 +301,18 @@ torch::Tensor linear_small_m(const torch::Tensor& x, const torch::Tensor& weight
   return out.view(out_sizes);
 }
 
+int64_t set_gemv_isa_limit(int64_t level) {
+  TORCH_CHECK(level >= 0 && level <= 3, "set_isa_limit: level must be in [0, 3], got ", level);
+  const int64_t previous = g_isa_limit;
+  g_isa_limit = level;
+  return previous;
+}
+
 #ifndef ASCENT_EMBEDDED_KERNELS  // decode_stack_cpu.cpp includes this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small_m", &linear_small_m, "y = x @ W^T (+ bias) for small M, bf16/fp16, fp32 accumulation",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("set_isa_limit", &set_gemv_isa_limit, "set_isa_limit(level) -> previous (0 scalar, 1 AVX2, 2 AVX512F, "
+        "3 AVX512-BF16; tests lower it to cover every path)");
 }
 #endif

@@ -19,8 +19,8 @@ from torch import nn
 
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
 from ascent.quantization.kernels import (
-    INT8_AMX_MAX_M, INT8_GEMV_MAX_M, StackSpec, gemv_fits, int8_gemv_static, int8_linear_static, prepare_int8_amx,
-    prepare_int8_gemv, quantize_static_int8,
+    INT8_AMX_MAX_M, INT8_GEMV_MAX_M, StackSpec, gemv_fits, int8_gemv_static, int8_linear_static, int8_static_stack_spec,
+    prepare_int8_amx, prepare_int8_gemv, quantize_static_int8,
 )
 from ascent.quantization.registry import register_scheme
 from ascent.quantization.schemes.common import (
@@ -82,11 +82,15 @@ class W8A8StaticLinear(QuantLinearScheme):
         layer.w8a8_amx = prepare_int8_amx(layer.weight.detach())
 
     def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:
-        """The C++ decode stack's call of the AMX-INT8 kernel (``kernels.STACK_KIND_W8A8_STATIC_AMX``), None
-        without it."""
+        """The C++ decode stack's call of the AMX-INT8 kernel (``kernels.STACK_KIND_W8A8_STATIC_AMX``), else of the
+        small-M kernel (``kernels.STACK_KIND_W8A8_STATIC``), None without either."""
         amx = getattr(layer, "w8a8_amx", None)
         if amx is None:
-            return None
+            gemv = getattr(layer, "w8a8_gemv", None)
+            if gemv is None:
+                return None
+            return int8_static_stack_spec(gemv, layer.w8a8_sx, layer.w8a8_zx, layer.w8a8_deq, layer.w8a8_beta,
+                                          self._float_bias(getattr(layer, "bias", None)))
         return amx.static_stack_spec(layer.w8a8_sx, layer.w8a8_zx, layer.w8a8_deq, layer.w8a8_beta,
                                      self._float_bias(getattr(layer, "bias", None)))
 
