@@ -83,7 +83,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
         peer = latency_metrics(peer_latencies(peer_model, prompts, args.output_len, args.num_iters,
                                               args.num_iters_warmup), args.batch_size, args.output_len, weight_bytes)
         del peer_model
-    gemv = calibration["gemv_gbps"]
+    gemv = calibration["bandwidth_gbps"]
     result: dict[str, Any] = {
         **ours,
         "benchmark": "latency",
@@ -124,14 +124,14 @@ def format_summary(result: dict[str, Any]) -> str:
         f"  ascent: avg {_fmt(result['avg_latency'], '.4f')} s  p50 {_fmt(pct['50'], '.4f')} s  "
         f"p99 {_fmt(pct['99'], '.4f')} s  {_fmt(result['decode_tokens_per_second'])} tok/s  "
         f"{_fmt(result['achieved_weight_bandwidth_gbps'])} GB/s = "
-        f"{_fmt(result['fraction_of_bandwidth_roofline'], '.3f')} of GEMV bandwidth "
-        f"{_fmt(result['roofline']['calibration']['gemv_gbps'])} GB/s",
+        f"{_fmt(result['fraction_of_bandwidth_roofline'], '.3f')} of bandwidth "
+        f"{_fmt(result['roofline']['calibration']['bandwidth_gbps'])} GB/s (best of stream / GEMV)",
     ]
     ceilings = result["roofline"]["ceilings"]
     if ceilings:
         bound = "bandwidth" if ceilings["bandwidth_ceiling_tok_s"] <= ceilings["compute_ceiling_tok_s"] else "compute"
         lines.append(f"  roofline at batch {cfg['batch_size']}: ceiling {_fmt(ceilings['ceiling_tok_s'])} tok/s "
-                     f"({bound}-bound; GEMM {_fmt(result['roofline']['calibration']['gemm_gflops'], '.0f')} GFLOP/s)"
+                     f"({bound}-bound; GEMM {_fmt(result['roofline']['calibration']['peak_gflops'], '.0f')} GFLOP/s)"
                      f" -> ascent at {_fmt(result['fraction_of_decode_ceiling'], '.3f')} of it")
     if peer:
         lines.append(f"  HF peer: avg {_fmt(peer['avg_latency'], '.4f')} s  {_fmt(peer['decode_tokens_per_second'])}"

@@ -3,7 +3,8 @@
 Method (specs/anchors_style_perf.md §2.3): one decode step of batch B at mean context c moves at least
 W + B * KV(c) bytes, with W = (non-embedding params + lm_head params) * bytes/param (a tied lm_head is read in full
 every step), and costs about B * (2 * P + 4 * L * q_heads * head_dim * c) FLOPs. Hence
-single-stream tok/s <= BW / W and aggregate tok/s <= B / max(bytes / BW, FLOPs / F).
+single-stream tok/s <= BW / W and aggregate tok/s <= B / max(bytes / BW, FLOPs / F). BW and F are the best rates
+measured (``ceiling_rates``), so a CPU whose 16-bit torch kernels are emulated does not get a flattering ceiling.
 """
 
 from __future__ import annotations
@@ -80,15 +81,30 @@ def calibrate(dtype: torch.dtype | str, sizes: RooflineSizes | None = None) -> d
     """Run the B0 calibration in the serving ``dtype``; returns GB/s and GFLOP/s figures plus the sizes used."""
     dtype = parse_torch_dtype(dtype)
     sizes = sizes or RooflineSizes()
-    return {
+    gemm = (sizes.gemm_m, sizes.gemm_n, sizes.gemm_k)
+    result: dict[str, Any] = {
         "dtype": dtype_name(dtype),
         "num_threads": torch.get_num_threads(),
         "stream_read_gbps": measure_stream_read_gbps(sizes.stream_bytes, sizes.repeats),
         "stream_read_numpy_gbps": measure_numpy_stream_read_gbps(sizes.stream_bytes, sizes.repeats),
         "gemv_gbps": measure_gemv_gbps(sizes.gemv_bytes, dtype, sizes.repeats),
-        "gemm_gflops": measure_gemm_gflops(sizes.gemm_m, sizes.gemm_n, sizes.gemm_k, dtype, sizes.repeats),
-        "sizes": asdict(sizes),
+        "gemm_gflops": measure_gemm_gflops(*gemm, dtype, sizes.repeats),
     }
+    same = dtype == torch.float32
+    result["gemv_fp32_gbps"] = result["gemv_gbps"] if same else measure_gemv_gbps(
+        sizes.gemv_bytes, torch.float32, sizes.repeats)
+    result["gemm_fp32_gflops"] = result["gemm_gflops"] if same else measure_gemm_gflops(
+        *gemm, torch.float32, sizes.repeats)
+    return {**result, **ceiling_rates(result), "sizes": asdict(sizes)}
+
+
+def ceiling_rates(calibration: dict[str, Any]) -> dict[str, float]:
+    """The rates the ceilings use: the best bandwidth any measured read reached (stream, GEMV in the serving dtype,
+    GEMV in fp32) and the best GEMM rate (serving dtype or fp32). Taking the best keeps the ceiling honest on CPUs
+    without native 16-bit arithmetic, where torch's 16-bit GEMV/GEMM are conversion-bound and an engine can do
+    better (e.g. by keeping an fp32 copy)."""
+    bandwidth = max(calibration[k] for k in ("stream_read_gbps", "gemv_gbps", "gemv_fp32_gbps"))
+    return {"bandwidth_gbps": bandwidth, "peak_gflops": max(calibration["gemm_gflops"], calibration["gemm_fp32_gflops"])}
 
 
 def _cfg_int(cfg: Any, name: str, default: int | None = None) -> int:
@@ -175,12 +191,12 @@ def decode_roofline(hf_config: Any, dtype: torch.dtype | str, bandwidth_gbps: fl
 
 def roofline_report(hf_config: Any, dtype: torch.dtype | str, calibration: dict[str, Any], batch_size: int,
                     mean_context: float) -> dict[str, Any]:
-    """Calibration plus the model's ceilings (against GEMV bandwidth and GEMM FLOP/s); ``error`` names why
-    the ceilings are missing for a model without a formula."""
+    """Calibration plus the model's ceilings (against ``bandwidth_gbps`` and ``peak_gflops``, see
+    ``ceiling_rates``); ``error`` names why the ceilings are missing for a model without a formula."""
     report: dict[str, Any] = {"calibration": calibration, "ceilings": None, "error": None}
     try:
-        report["ceilings"] = decode_roofline(hf_config, dtype, calibration["gemv_gbps"], calibration["gemm_gflops"],
-                                             batch_size, mean_context)
+        report["ceilings"] = decode_roofline(hf_config, dtype, calibration["bandwidth_gbps"],
+                                             calibration["peak_gflops"], batch_size, mean_context)
     except ValueError as exc:
         report["error"] = str(exc)
     return report

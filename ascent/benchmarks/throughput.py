@@ -72,7 +72,7 @@ def engine_generate(llm: Any, requests: list[BenchRequest], temperature: float, 
 def _fraction_of_compute(report: dict[str, Any], flops: float | None, elapsed: float | None) -> float | None:
     if flops is None or not elapsed:
         return None
-    return flops / elapsed / (report["calibration"]["gemm_gflops"] * 1e9)
+    return flops / elapsed / (report["calibration"]["peak_gflops"] * 1e9)
 
 
 def _add_roofline_fractions(report: dict[str, Any], flops: float | None, ours: dict[str, Any],
@@ -194,8 +194,9 @@ def format_summary(result: dict[str, Any]) -> str:
         lines.append(f"  HF peer: {_fmt(peer['elapsed_time'])} s  {_fmt(peer['tokens_per_second'])} tok/s  "
                      f"{_fmt(peer['output_tokens_per_second'])} output tok/s  (batch {peer['batch_size']})  "
                      f"ratio ascent/HF = {_fmt(result['ratio_vs_peer'])}")
-    lines.append(f"  roofline: stream {_fmt(cal['stream_read_gbps'])} GB/s  GEMV {_fmt(cal['gemv_gbps'])} GB/s  "
-                 f"GEMM {_fmt(cal['gemm_gflops'])} GFLOP/s  decode ceiling at B={ceil.get('batch_size', 'n/a')}: "
+    lines.append(f"  roofline: stream {_fmt(cal['stream_read_gbps'])} GB/s  GEMV {_fmt(cal['gemv_gbps'])} GB/s "
+                 f"(fp32 {_fmt(cal['gemv_fp32_gbps'])})  GEMM {_fmt(cal['gemm_gflops'])} GFLOP/s "
+                 f"(fp32 {_fmt(cal['gemm_fp32_gflops'])})  decode ceiling at B={ceil.get('batch_size', 'n/a')}: "
                  f"{_fmt(ceil.get('ceiling_tok_s'))} tok/s  fraction of compute roof "
                  f"{_fmt(roof['achieved_fraction_of_compute_roofline'], '.3f')}")
     other = result.get("profile_comparison")

@@ -20,7 +20,8 @@ TINY_ROOFLINE = ["--roofline-stream-mib", "4", "--roofline-gemv-mib", "1", "--ro
 THROUGHPUT_KEYS = ("elapsed_time", "num_requests", "total_num_tokens", "requests_per_second", "tokens_per_second",
                    "output_tokens_per_second")
 ENV_KEYS = ("torch_version", "num_threads", "dtype", "cpu_model", "loadavg", "load_warning")
-CALIBRATION_KEYS = ("stream_read_gbps", "stream_read_numpy_gbps", "gemv_gbps", "gemm_gflops")
+CALIBRATION_KEYS = ("stream_read_gbps", "stream_read_numpy_gbps", "gemv_gbps", "gemm_gflops", "gemv_fp32_gbps",
+                    "gemm_fp32_gflops", "bandwidth_gbps", "peak_gflops")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -38,6 +39,9 @@ def _check_env_and_roofline(data: dict) -> None:
     assert isinstance(data["env"]["load_warning"], bool) and len(data["env"]["loadavg"]) == 3
     calibration = data["roofline"]["calibration"]
     assert all(_positive(calibration[k]) for k in CALIBRATION_KEYS)
+    assert calibration["bandwidth_gbps"] == max(calibration[k] for k in ("stream_read_gbps", "gemv_gbps",
+                                                                        "gemv_fp32_gbps"))
+    assert calibration["peak_gflops"] == max(calibration["gemm_gflops"], calibration["gemm_fp32_gflops"])
     ceilings = data["roofline"]["ceilings"]
     assert data["roofline"]["error"] is None
     assert all(_positive(ceilings[k]) for k in ("batch1_bandwidth_ceiling_tok_s", "compute_ceiling_tok_s",
@@ -98,7 +102,7 @@ def test_latency_smoke(tiny_llama_dir: str, tmp_path) -> None:
     assert data["achieved_weight_bandwidth_gbps"] == pytest.approx(
         data["weight_bytes_per_step"] * 8 / data["avg_latency"] / 1e9)
     assert data["fraction_of_bandwidth_roofline"] == pytest.approx(
-        data["achieved_weight_bandwidth_gbps"] / data["roofline"]["calibration"]["gemv_gbps"])
+        data["achieved_weight_bandwidth_gbps"] / data["roofline"]["calibration"]["bandwidth_gbps"])
     assert data["ratio_vs_peer"] == pytest.approx(
         data["decode_tokens_per_second"] / data["peer"]["decode_tokens_per_second"])
     ceiling = data["roofline"]["ceilings"]

@@ -177,7 +177,7 @@ def test_w8a8_mix(kv_consumer):
 def test_w8a8_mix_decode_rows_take_the_dynamic_kernel(kv_consumer, monkeypatch):
     """The dynamic path at decode-sized M is the AMX-INT8 kernel where the CPU has it, else the W8A8 dynamic small-M
     kernel (both bit-identical to the _int_mm path), and joins the decode stack as a W8A8 dynamic linear; the static
-    path joins it through the AMX-INT8 kernel when there is one."""
+    path joins it through the AMX-INT8 kernel when there is one, else through the static small-M kernel."""
     from ascent.quantization import kernels
 
     w, b = gaussian((N, K), 15, 0.02), gaussian((N,), 17, 0.1)
@@ -187,8 +187,10 @@ def test_w8a8_mix_decode_rows_take_the_dynamic_kernel(kv_consumer, monkeypatch):
     assert layer.w8a8_gemv is not None
     amx = layer.w8a8_amx
     if kv_consumer:
-        assert spec is None if amx is None else \
-            (spec[0] == kernels.STACK_KIND_W8A8_STATIC_AMX and spec[1][0] is amx.packed)
+        if amx is None:
+            assert spec[0] == kernels.STACK_KIND_W8A8_STATIC and spec[1][0] is layer.w8a8_gemv.weight
+        else:
+            assert spec[0] == kernels.STACK_KIND_W8A8_STATIC_AMX and spec[1][0] is amx.packed
         return
     if amx is not None:
         assert spec[0] == kernels.STACK_KIND_W8A8_DYNAMIC_AMX and spec[1][0] is amx.packed
