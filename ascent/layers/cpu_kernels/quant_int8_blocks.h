@@ -22,8 +22,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void i8_block_vn
   const int8_t* w = a.w + n * a.k;
   for (int64_t k = 0; k < a.k; k += 64) {
     const __mmask64 mask = a.k - k >= 64 ? ~0ULL : ((1ULL << (a.k - k)) - 1);
-    for (int r = 0; r < R; ++r)
-      _mm_prefetch(reinterpret_cast<const char*>(w + (r + kPrefetchRows) * a.k + k), _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) prefetch_weights(reinterpret_cast<const uint8_t*>(w + r * a.k + k), a.k);
     __m512i xv[MB];
     for (int m = 0; m < MB; ++m) xv[m] = _mm512_loadu_si512(x + m * a.ldx + k);
     for (int r = 0; r < R; ++r) {

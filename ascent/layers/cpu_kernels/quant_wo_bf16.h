@@ -25,15 +25,6 @@
 // 8-15 the second, so one fma per span of blocks applies [s(first half) x 8, s(second half) x 8].
 #pragma once
 
-// Software prefetch of the weight line kPrefetchRows / 2 rows ahead into L1 and 2 * kPrefetchRows rows ahead into
-// L2 (T2): measured best of T0 / T1 / T2 at 8..64 rows, one or two hints, for these kernels (1 thread, DRAM-resident
-// weights; no prefetch costs ~40%). Past the end of the matrix is harmless. (The target attribute matters: GCC
-// drops _mm_prefetch from a plain inline function inlined into these target("avx512...") kernels.)
-__attribute__((target("avx512f"), always_inline)) inline void prefetch_weights(const uint8_t* p, int64_t ldw) {
-  _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchRows / 2 * ldw), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(p + 2 * kPrefetchRows * ldw), _MM_HINT_T2);
-}
-
 struct WoBf16Args {
   const uint8_t* w;      // weight rows: int8 [N, K] or packed int4 [N, ceil(K/2)]
   int64_t ldw;           // bytes per weight row
