@@ -114,7 +114,8 @@ def test_batched_speculative_verification_through_the_stack_equals_module_path(t
 
 @pytest.mark.parametrize("scheme,fmt,amx", [("w8a8_dynamic", "compressed-tensors", "1"), ("w8a16", "modelslim", "1"),
                                             ("w4a16", "compressed-tensors", "1"), ("w8a8", "modelslim", "1"),
-                                            ("w8a8", "modelslim", "0")])
+                                            ("w8a8", "modelslim", "0"), ("w4a8", "compressed-tensors", "0"),
+                                            ("w4a8", "modelslim", "1")])
 def test_quantized_stack_equals_module_path(tmp_path, monkeypatch, scheme, fmt, amx):
     """Quantized projections join the stack through their schemes' small-M kernels (within each scheme's own
     small-M range, so the values are the module path's); ``amx`` 0: the kernels of CPUs without AMX-INT8."""

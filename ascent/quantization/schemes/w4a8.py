@@ -5,8 +5,9 @@ ModelSlim: ``weight`` int8 [N/2, K] with two int4 per byte along N (row 2i low n
 partial sums over 16 K-chunks) = ``8 * sum_k W4[n, k] * s_w[n]`` — used only as a consistency check.
 compressed-tensors ``int-quantized``: ``weight`` int8 [N, K] one int4 per byte, ``weight_scale`` [N, 1] (channel)
 or [N, K/g] (group).
-Math: ``y = s_x[m] * sum_g s_w[n, g] * (xq @ W4^T)_g + b`` — one exact int32 product per scale group (a single
-``_int_mm`` for channel scales).
+Math: ``y = s_x[m] * sum_g s_w[n, g] * (xq @ W4^T)_g + b`` — one exact int32 product per scale group. With channel
+scales this is W8A8 dynamic on int8 weights in [-8, 7], so it takes the W8A8-dynamic kernels (the small-M / AMX
+kernels at decode sizes and the decode stack, ``_int_mm`` above).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 
 from ascent.layers.linear import RowParallelLinear
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
-from ascent.quantization.kernels import int8_linear_dynamic, int8_linear_grouped_weight
+from ascent.quantization.kernels import StackSpec, int8_linear_grouped_weight
 from ascent.quantization.packing import unpack_int4_pairs_int8
 from ascent.quantization.registry import register_scheme
 from ascent.quantization.schemes.common import (
@@ -28,7 +29,12 @@ from ascent.quantization.schemes.common import (
     use_reference,
 )
 from ascent.quantization.schemes.w4a16 import check_int4_range
-from ascent.quantization.schemes.w8a8_dynamic import dynamic_reference
+from ascent.quantization.schemes.w8a8_dynamic import (
+    apply_int8_dynamic,
+    attach_int8_dynamic,
+    dynamic_reference,
+    int8_dynamic_stack_call,
+)
 
 SCALE_BIAS_CHUNKS = 16
 
@@ -60,7 +66,8 @@ def check_scale_bias(layer: nn.Module, q: torch.Tensor, w_scale: torch.Tensor, s
 
 @register_scheme("W4A8_DYNAMIC", "linear")
 class W4A8DynamicLinear(QuantLinearScheme):
-    """After loading: ``w4a8_q`` int8 [N, K] (values in [-8, 7]) and ``w4a8_ws`` fp32 [N, G]."""
+    """After loading: ``w4a8_q`` int8 [N, K] (values in [-8, 7]) and ``w4a8_ws`` fp32 [N, G]; with channel scales
+    (G = 1) also the W8A8-dynamic operands of ``w8a8_dynamic.attach_int8_dynamic`` (sharing ``w4a8_q``)."""
 
     force_reference = False
 
@@ -103,14 +110,20 @@ class W4A8DynamicLinear(QuantLinearScheme):
             check_int4_range(layer, q)
         layer.w4a8_q = q.contiguous()
         layer.w4a8_ws = layer.weight_scale.detach().float().contiguous()
+        if layer.w4a8_ws.shape[1] == 1:
+            attach_int8_dynamic(layer, layer.w4a8_q, layer.w4a8_ws)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if use_reference(self):
             return self.apply_reference(layer, x, bias)
         q, ws = layer.w4a8_q, layer.w4a8_ws
         if ws.shape[1] == 1:
-            return int8_linear_dynamic(x, q.t(), ws.reshape(-1), bias)
+            return apply_int8_dynamic(layer, x, bias)
         return int8_linear_grouped_weight(x, q, ws, q.shape[1] // ws.shape[1], bias)
+
+    def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:
+        """Channel scales: the W8A8-dynamic small-M kernel's stack call; group scales have none (None)."""
+        return int8_dynamic_stack_call(layer) if layer.w4a8_ws.shape[1] == 1 else None
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         q = layer.w4a8_q

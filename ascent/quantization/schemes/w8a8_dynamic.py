@@ -32,6 +32,39 @@ def dynamic_reference(x: torch.Tensor, w_deq: torch.Tensor, bias: torch.Tensor |
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
+def attach_int8_dynamic(layer: nn.Module, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
+    """Set a layer's W8A8-dynamic operands from int8 ``weight [N, K]`` and per-channel ``weight_scale`` ([N] or
+    [N, 1]): ``w8a8_w_t`` (int8 [K, N] column-major view), ``w8a8_ws`` fp32 [N], ``w8a8_gemv`` (small-M kernel
+    operands, ``kernels.Int8Gemv``, or None) and ``w8a8_amx`` (``kernels.Int8Amx`` or None). Any int8 weight with
+    per-channel scales and per-token activation quantization takes them (W8A8 dynamic, per-channel W4A8)."""
+    layer.w8a8_w_t = weight.t()
+    layer.w8a8_ws = weight_scale.float().reshape(-1).contiguous()
+    layer.w8a8_gemv = prepare_int8_gemv(weight)
+    layer.w8a8_amx = prepare_int8_amx(weight)
+
+
+def apply_int8_dynamic(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y = (xq @ Wq^T) * s_x[m] * s_w[n] + b`` on the operands of :func:`attach_int8_dynamic`: the AMX-INT8 or
+    small-M kernel at decode-sized M, else ``int8_linear_dynamic`` (all bit-identical)."""
+    amx = getattr(layer, "w8a8_amx", None)
+    if amx is not None and gemv_fits(x, INT8_AMX_MAX_M):
+        return amx.linear(x, layer.w8a8_ws, bias)
+    gemv = getattr(layer, "w8a8_gemv", None)
+    if gemv is not None and gemv_fits(x, INT8_GEMV_MAX_M):
+        return int8_gemv_dynamic(gemv, x, layer.w8a8_ws, bias)
+    return int8_linear_dynamic(x, layer.w8a8_w_t, layer.w8a8_ws, bias)
+
+
+def int8_dynamic_stack_call(layer: nn.Module) -> StackSpec | None:
+    """The C++ decode stack's call of the small-M kernel of :func:`apply_int8_dynamic`, None without one."""
+    bias = getattr(layer, "bias", None)
+    amx = getattr(layer, "w8a8_amx", None)
+    if amx is not None:
+        return amx.stack_spec(layer.w8a8_ws, bias)
+    gemv = getattr(layer, "w8a8_gemv", None)
+    return int8_dynamic_stack_spec(gemv, layer.w8a8_ws, bias) if gemv is not None else None
+
+
 @register_scheme("W8A8_DYNAMIC", "linear")
 class W8A8DynamicLinear(QuantLinearScheme):
     """After loading: ``w8a8_w_t`` (int8 [K, N] column-major view), ``w8a8_ws`` fp32 [N], ``w8a8_gemv`` (small-M
@@ -50,30 +83,16 @@ class W8A8DynamicLinear(QuantLinearScheme):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         check_zero_offset(layer, "weight_offset", self.quant_type)
-        layer.w8a8_w_t = layer.weight.detach().t()
-        layer.w8a8_ws = layer.weight_scale.detach().float().reshape(-1).contiguous()
-        layer.w8a8_gemv = prepare_int8_gemv(layer.weight.detach())
-        layer.w8a8_amx = prepare_int8_amx(layer.weight.detach())
+        attach_int8_dynamic(layer, layer.weight.detach(), layer.weight_scale.detach())
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if use_reference(self):
             return self.apply_reference(layer, x, bias)
-        amx = getattr(layer, "w8a8_amx", None)
-        if amx is not None and gemv_fits(x, INT8_AMX_MAX_M):
-            return amx.linear(x, layer.w8a8_ws, bias)
-        gemv = getattr(layer, "w8a8_gemv", None)
-        if gemv is not None and gemv_fits(x, INT8_GEMV_MAX_M):
-            return int8_gemv_dynamic(gemv, x, layer.w8a8_ws, bias)
-        return int8_linear_dynamic(x, layer.w8a8_w_t, layer.w8a8_ws, bias)
+        return apply_int8_dynamic(layer, x, bias)
 
     def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:
         """How a C++ decode stack calls this linear's small-M kernel (``kernels.STACK_KIND_*``), None without it."""
-        bias = getattr(layer, "bias", None)
-        amx = getattr(layer, "w8a8_amx", None)
-        if amx is not None:
-            return amx.stack_spec(layer.w8a8_ws, bias)
-        gemv = getattr(layer, "w8a8_gemv", None)
-        return int8_dynamic_stack_spec(gemv, layer.w8a8_ws, bias) if gemv is not None else None
+        return int8_dynamic_stack_call(layer)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.detach().float() * layer.weight_scale.detach().float().reshape(-1, 1)

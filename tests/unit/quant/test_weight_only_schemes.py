@@ -137,6 +137,35 @@ def test_w4a8_compressed_tensors(group):
     check_paths(layer, x, expected, 1e-5, TABLE_91["W4A8"] if group is None else None, w)
 
 
+@pytest.mark.parametrize("group", [None, 128])
+def test_w4a8_channel_scales_take_the_w8a8_dynamic_kernels(group, monkeypatch):
+    """Per-channel W4A8 is W8A8 dynamic on int8 weights in [-8, 7]: decode-sized M takes the W8A8-dynamic small-M
+    (or AMX) kernel, bit-identical to the _int_mm path, and joins the decode stack; group scales keep their own path
+    and stay out of the stack."""
+    from ascent.quantization import kernels
+
+    q, s = quant_sym(gaussian((N, K), 21, 0.02), 4, group)
+    spec = QuantSpec("W4A8_DYNAMIC", source_format="compressed-tensors", weight_bits=4,
+                     weight_strategy="group" if group else "channel", group_size=group)
+    layer = build(spec, {"weight": q, "weight_scale": s}, gaussian((N,), 22, 0.1))
+    stack = layer.quant_method.decode_stack_call(layer)
+    if group is not None:
+        assert stack is None and getattr(layer, "w8a8_gemv", None) is None
+        return
+    assert layer.w8a8_gemv is not None and layer.w8a8_gemv.weight.data_ptr() == layer.w4a8_q.data_ptr()
+    amx = layer.w8a8_amx
+    assert stack[0] == (kernels.STACK_KIND_W8A8_DYNAMIC if amx is None else kernels.STACK_KIND_W8A8_DYNAMIC_AMX)
+    xs = [t(gaussian((m, K), 23 + m)).bfloat16() for m in (1, 3)]
+    wants = [kernels.int8_linear_dynamic(x, layer.w4a8_q.t(), layer.w4a8_ws.reshape(-1), layer.bias) for x in xs]
+
+    def not_at_decode_sizes(*args, **kwargs):
+        raise AssertionError("decode-sized M must take the small-M kernel")
+
+    monkeypatch.setattr("ascent.quantization.schemes.w8a8_dynamic.int8_linear_dynamic", not_at_decode_sizes)
+    for x, want in zip(xs, wants):
+        assert torch.equal(layer(x), want)
+
+
 def test_fp8_dynamic():
     w, x, b = gaussian((N, K), 15, 0.02), gaussian((M, K), 16), gaussian((N,), 17, 0.1)
     wt = torch.from_numpy(w).double()
