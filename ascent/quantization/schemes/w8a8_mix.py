@@ -8,11 +8,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ascent.quantization.kernels import (INT8_AMX_MAX_M, INT8_GEMV_MAX_M, StackSpec, gemv_fits,
-                                         int8_dynamic_stack_spec, int8_gemv_dynamic, int8_linear_dynamic)
+from ascent.quantization.kernels import StackSpec
 from ascent.quantization.registry import register_scheme
 from ascent.quantization.schemes.common import use_reference
-from ascent.quantization.schemes.w8a8_dynamic import dynamic_reference
+from ascent.quantization.schemes.w8a8_dynamic import apply_int8_dynamic, dynamic_reference, int8_dynamic_stack_call
 from ascent.quantization.schemes.w8a8_static import W8A8StaticLinear
 
 
@@ -33,24 +32,13 @@ class W8A8MixLinear(W8A8StaticLinear):
             return super().apply(layer, x, bias)
         if use_reference(self):
             return self.apply_reference(layer, x, bias)
-        amx = getattr(layer, "w8a8_amx", None)
-        if amx is not None and gemv_fits(x, INT8_AMX_MAX_M):
-            return amx.linear(x, layer.w8a8_ws, bias)
-        gemv = getattr(layer, "w8a8_gemv", None)
-        if gemv is not None and gemv_fits(x, INT8_GEMV_MAX_M):
-            return int8_gemv_dynamic(gemv, x, layer.w8a8_ws, bias)
-        return int8_linear_dynamic(x, layer.w8a8_w_t, layer.w8a8_ws, bias)
+        return apply_int8_dynamic(layer, x, bias)
 
     def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:
         """Either path joins the decode stack with the kernel its ``apply`` takes for decode-sized M."""
         if self.static_path:
             return super().decode_stack_call(layer)
-        bias = getattr(layer, "bias", None)
-        amx = getattr(layer, "w8a8_amx", None)
-        if amx is not None:
-            return amx.stack_spec(layer.w8a8_ws, bias)
-        gemv = getattr(layer, "w8a8_gemv", None)
-        return int8_dynamic_stack_spec(gemv, layer.w8a8_ws, bias) if gemv is not None else None
+        return int8_dynamic_stack_call(layer)
 
     def apply_reference(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.static_path:

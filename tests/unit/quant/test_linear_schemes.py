@@ -202,6 +202,6 @@ def test_w8a8_mix_decode_rows_take_the_dynamic_kernel(kv_consumer, monkeypatch):
     def not_at_decode_sizes(*args, **kwargs):
         raise AssertionError("decode-sized M must take the small-M kernel")
 
-    monkeypatch.setattr("ascent.quantization.schemes.w8a8_mix.int8_linear_dynamic", not_at_decode_sizes)
+    monkeypatch.setattr("ascent.quantization.schemes.w8a8_dynamic.int8_linear_dynamic", not_at_decode_sizes)
     for x, want in zip(xs, wants):
         assert torch.equal(layer(x), want)
