@@ -22,6 +22,21 @@ def ops():
     return module
 
 
+@pytest.fixture(params=[0, 1, 2], ids=["scalar", "avx2", "avx512"])
+def isa(ops, request):
+    """Every instruction-set path of the bf16 kernels the CPU has (a level above it runs its best path)."""
+    previous = ops.set_isa_limit(request.param)
+    yield request.param
+    ops.set_isa_limit(previous)
+
+
+def test_isa_limit_rejects_bad_levels(ops):
+    for level in (-1, 3):
+        with pytest.raises(RuntimeError, match="isa level"):
+            ops.set_isa_limit(level)
+    assert ops.set_isa_limit(ops.set_isa_limit(1)) == 1
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), atol=ATOL[dtype], rtol=ATOL[dtype])
@@ -29,7 +44,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 40])
-def test_rms_norm_and_add_rms_norm_match_torch(ops, dtype, rows):
+def test_rms_norm_and_add_rms_norm_match_torch(ops, isa, dtype, rows):
     gen = torch.Generator().manual_seed(rows)
     wide = (torch.randn(rows, 200, generator=gen) * 3).to(dtype)
     x = wide[:, 10:170]  # row-strided view
@@ -42,7 +57,7 @@ def test_rms_norm_and_add_rms_norm_match_torch(ops, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_matches_torch(ops, dtype):
+def test_silu_and_mul_matches_torch(ops, isa, dtype):
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(9, 2 * 300, generator=gen) * 4).to(dtype)
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -1e-3]).to(dtype)  # exp clamping and tiny values
@@ -51,7 +66,7 @@ def test_silu_and_mul_matches_torch(ops, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("neox,rotary_dim", [(True, 32), (True, 16), (False, 32), (False, 16)])
-def test_rotary_in_place_equals_torch_rotation(ops, dtype, neox, rotary_dim):
+def test_rotary_in_place_equals_torch_rotation(ops, isa, dtype, neox, rotary_dim):
     head, tokens = 32, 6
     rope = get_rope(head, rotary_dim, 512, {"rope_theta": 10000.0}, neox, dtype)
     gen = torch.Generator().manual_seed(1)
@@ -72,7 +87,7 @@ def _paged_cache(dtype: torch.dtype, num_slots: int, kv_heads: int, d: int, gen:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,window", [(6, 2, 0), (4, 4, 0), (8, 1, 5)])
-def test_paged_decode_attention_matches_sdpa_over_gathered_keys(ops, dtype, heads, kv_heads, window):
+def test_paged_decode_attention_matches_sdpa_over_gathered_keys(ops, isa, dtype, heads, kv_heads, window):
     gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
     d, num_slots, n = 16, 96, 4
     cache = _paged_cache(dtype, num_slots, kv_heads, d, gen)
@@ -84,9 +99,10 @@ def test_paged_decode_attention_matches_sdpa_over_gathered_keys(ops, dtype, head
     _close(got, _reference_decode(q, cache, slots, lens, heads, d**-0.5, window), dtype)
 
 
-@pytest.mark.parametrize("d,hidden", [(64, 100), (24, 576)])
-def test_bf16_vector_paths_with_tails(ops, d, hidden):
-    """The AVX512 bf16 paths (head dims / hidden sizes that are not multiples of 16, contexts past 16 keys)."""
+@pytest.mark.parametrize("d,hidden", [(64, 100), (24, 576), (20, 13)])
+def test_bf16_vector_paths_with_tails(ops, isa, d, hidden):
+    """The AVX512 / AVX2 bf16 paths (head dims / hidden sizes that are not multiples of 16 or 8, contexts past 16
+    keys)."""
     gen = torch.Generator().manual_seed(d)
     x = torch.randn(3, hidden, generator=gen).bfloat16()
     residual = torch.randn(3, hidden, generator=gen).bfloat16()
@@ -109,9 +125,9 @@ def test_bf16_vector_paths_with_tails(ops, d, hidden):
 
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(3, 3), (4, 2), (6, 2), (8, 2), (8, 1)])
-def test_grouped_bf16_attention_matches_sdpa(ops, d, heads, kv_heads):
+def test_grouped_bf16_attention_matches_sdpa(ops, isa, d, heads, kv_heads):
     """avx512_attention.h (all query heads of a KV head per pass; group * d / 16 <= 16) and, beyond that, the
-    per-head kernel: contexts of 1 key, of a partial 16-key block and of several blocks, with and without a window."""
+    per-head kernel (AVX512, or AVX2 below that level): contexts of 1 key, of a partial 16-key block and of several blocks, with and without a window."""
     gen = torch.Generator().manual_seed(d + heads)
     num_slots = 120
     cache = _paged_cache(torch.bfloat16, num_slots, kv_heads, d, gen)

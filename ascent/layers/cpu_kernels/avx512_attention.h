@@ -15,8 +15,8 @@
 #define ASCENT_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 bool has_avx512_bf16() {
-  static const bool ok = has_avx512() && __builtin_cpu_supports("avx512bf16");
-  return ok;
+  static const bool ok = __builtin_cpu_supports("avx512bf16");
+  return has_avx512() && ok;
 }
 
 constexpr int64_t kValuePrefetch = 8;  // value rows prefetched this many keys ahead

@@ -12,10 +12,14 @@ using bf16 = c10::BFloat16;
 template <typename T> inline const bf16* as_bf16(const T* p) { return reinterpret_cast<const bf16*>(p); }
 template <typename T> inline bf16* as_bf16(T* p) { return reinterpret_cast<bf16*>(p); }
 
+// The best instruction set the fused kernels may use (tests: set_isa_limit): 0 scalar, 1 AVX2+FMA, 2 AVX512 (and
+// AMX attention); a level the CPU lacks falls through to the next one below.
+int g_fused_isa = 2;
+
 bool has_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return ok;
+  return g_fused_isa >= 2 && ok;
 }
 
 ASCENT_AVX512 inline __mmask16 tail_mask(int64_t left) {

@@ -61,6 +61,7 @@ inline float exp_approx(float x) {
 }
 
 #include "avx512_bf16.h"
+#include "avx2_bf16.h"
 #include "avx512_attention.h"
 #include "amx_attention.h"
 
@@ -82,6 +83,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
         if constexpr (std::is_same_v<scalar_t, bf16>) {
           if (has_avx512()) {
             rms_norm_row_avx512(as_bf16(xp + i * xs), as_bf16(wp), as_bf16(op + i * h), h, static_cast<float>(eps));
+            continue;
+          }
+          if (has_avx2_fma()) {
+            rms_norm_row_avx2(as_bf16(xp + i * xs), as_bf16(wp), as_bf16(op + i * h), h, static_cast<float>(eps));
             continue;
           }
         }
@@ -117,6 +122,11 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& resi
           if (has_avx512()) {
             add_rms_norm_row_avx512(as_bf16(xp + i * xs), as_bf16(rp + i * rs), as_bf16(wp), as_bf16(srow),
                                     as_bf16(op + i * h), h, static_cast<float>(eps));
+            continue;
+          }
+          if (has_avx2_fma()) {
+            add_rms_norm_row_avx2(as_bf16(xp + i * xs), as_bf16(rp + i * rs), as_bf16(wp), as_bf16(srow),
+                                  as_bf16(op + i * h), h, static_cast<float>(eps));
             continue;
           }
         }
@@ -156,6 +166,10 @@ void rotary_(at::Tensor& x, const at::Tensor& cos_sin, int64_t head_size, int64_
               rotary_neox_head_avx512(as_bf16(v), as_bf16(cosr), as_bf16(sinr), half);
               continue;
             }
+            if (neox && has_avx2_fma()) {
+              rotary_neox_head_avx2(as_bf16(v), as_bf16(cosr), as_bf16(sinr), half);
+              continue;
+            }
           }
           for (int64_t p = 0; p < half; ++p) {
             const int64_t a = neox ? p : 2 * p, b = neox ? p + half : 2 * p + 1;
@@ -188,6 +202,10 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
         if constexpr (std::is_same_v<scalar_t, bf16>) {
           if (has_avx512()) {
             silu_and_mul_row_avx512(as_bf16(g), as_bf16(op + i * d), d);
+            continue;
+          }
+          if (has_avx2_fma()) {
+            silu_and_mul_row_avx2(as_bf16(g), as_bf16(op + i * d), d);
             continue;
           }
         }
@@ -313,6 +331,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     const int64_t qs = q.stride(0);
     AttendFn attend_vec = has_avx512() ? attend_grouped_for(d, group) : nullptr;
     if (attend_vec == nullptr && has_avx512()) attend_vec = attend_avx512_for(d);
+    if (attend_vec == nullptr && has_avx2_fma()) attend_vec = attend_avx2_for(d);
     at::parallel_for(0, n * kv_heads, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
       for (int64_t u = begin; u < end; ++u) {
@@ -334,6 +353,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   return out;
 }
 
+int64_t set_isa_limit(int64_t level) {
+  TORCH_CHECK(level >= 0 && level <= 2, "isa level must be 0 (scalar), 1 (AVX2+FMA) or 2 (AVX512), got ", level);
+  const int64_t previous = g_fused_isa;
+  g_fused_isa = static_cast<int>(level);
+  return previous;
+}
+
 int64_t set_amx_attention(int64_t on) {
   const int64_t previous = g_amx_attention;
   g_amx_attention = on != 0;
@@ -351,6 +377,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged_decode_attention(q [n, heads*d], kv_cache [2,S,kvh,d], slots [n,L], seq_lens [n], heads, scale, window)");
   m.def("silu_and_mul", &silu_and_mul, "silu_and_mul(x [T, 2d]) -> [T, d]");
+  m.def("set_isa_limit", &set_isa_limit, "set_isa_limit(level) -> previous (0 scalar, 1 AVX2+FMA, 2 AVX512)");
   m.def("set_amx_attention", &set_amx_attention, "set_amx_attention(1|0) -> previous (tests: 0 = the AVX512 kernels)");
   m.def("amx_attention_available", &amx_attention_available, "amx_attention_available(d, group) -> bool");
 }
