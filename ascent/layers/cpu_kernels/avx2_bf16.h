@@ -2,8 +2,8 @@
 // without AVX512 (e.g. AMD Zen 1-3), selected at run time by has_avx2_fma() after the AVX512 ones; the scalar loops
 // in fused_cpu.cpp stay the fallback. Each kernel does the AVX512 kernel's operations on 8 lanes, so it rounds where
 // the scalar path rounds (reductions sum in another order). Row tails (< 8 elements) go through a zero-padded
-// 8-element buffer (AVX2 has no masked 16-bit loads); chunks wholly past a row are zeros and are not stored. Included by fused_cpu.cpp inside its anonymous namespace,
-// after avx512_bf16.h (bf16, exp_approx's constants, g_fused_isa).
+// 8-element buffer (AVX2 has no masked 16-bit loads); chunks wholly past a row are zeros and are not stored.
+// Included by fused_cpu.cpp inside its anonymous namespace, after avx512_bf16.h (bf16, AttendFn, g_fused_isa).
 #pragma once
 
 #define ASCENT_AVX2 __attribute__((target("avx2,fma")))
