@@ -15,7 +15,7 @@ import numpy as np
 from ascent.benchmarks.common import Timer, collect_env, dtype_name, percentiles, pin_threads, safe_ratio, write_json
 from ascent.benchmarks.datasets import sample_requests
 from ascent.benchmarks.hf_peer import load_peer_model, peer_latencies
-from ascent.benchmarks.roofline import calibrate, roofline_report
+from ascent.benchmarks.roofline import calibrate, merge_calibrations, roofline_report
 from ascent.benchmarks.throughput import build_llm, engine_generate, prompt_vocab_size, roofline_sizes
 
 
@@ -70,11 +70,12 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     calibration = calibrate(mc.torch_dtype, roofline_sizes(args))
     requests = sample_requests(args.batch_size, (args.input_len, args.input_len), (args.output_len, args.output_len),
                                prompt_vocab_size(llm), args.seed)
+    latencies = engine_latencies(llm, requests, args.num_iters, args.num_iters_warmup)
+    calibration = merge_calibrations(calibration, calibrate(mc.torch_dtype, roofline_sizes(args)))
     report = roofline_report(mc.hf_config, mc.torch_dtype, calibration, args.batch_size,
                              args.input_len + args.output_len / 2.0)
     weight_bytes = report["ceilings"]["weight_bytes_per_step"] if report["ceilings"] else None
-    ours = latency_metrics(engine_latencies(llm, requests, args.num_iters, args.num_iters_warmup),
-                           args.batch_size, args.output_len, weight_bytes)
+    ours = latency_metrics(latencies, args.batch_size, args.output_len, weight_bytes)
     peer = None
     if not args.no_peer:
         pin_threads(threads)

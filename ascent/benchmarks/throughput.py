@@ -14,7 +14,13 @@ import numpy as np
 from ascent.benchmarks.common import Timer, collect_env, dtype_name, pin_threads, safe_ratio, write_json
 from ascent.benchmarks.datasets import (BenchRequest, length_summary, resolve_len_range, sample_requests)
 from ascent.benchmarks.hf_peer import load_peer_model, peer_throughput, throughput_metrics
-from ascent.benchmarks.roofline import RooflineSizes, calibrate, generation_flops, roofline_report
+from ascent.benchmarks.roofline import (
+    RooflineSizes,
+    calibrate,
+    generation_flops,
+    merge_calibrations,
+    roofline_report,
+)
 
 DEFAULT_INPUT_RANGE = (16, 256)
 DEFAULT_OUTPUT_RANGE = (16, 128)
@@ -109,6 +115,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     engine_generate(llm, warmup, args.temperature, not args.disable_detokenize)
     with Timer() as timer:
         produced = engine_generate(llm, requests, args.temperature, not args.disable_detokenize)
+    calibration = merge_calibrations(calibration, calibrate(mc.torch_dtype, roofline_sizes(args)))
     lengths = length_summary(requests)
     result: dict[str, Any] = throughput_metrics(timer.elapsed, len(requests), lengths["total_input_tokens"], produced)
     if getattr(args, "compare_profile", None):

@@ -1,0 +1,41 @@
+"""Roofline arithmetic without measuring: the ceilings take the best measured rates, merged calibrations keep the
+best of each rate."""
+
+from __future__ import annotations
+
+import pytest
+
+from ascent.benchmarks.roofline import RATE_KEYS, ceiling_rates, merge_calibrations
+
+
+def _calibration(**rates: float) -> dict:
+    base = {k: 1.0 for k in RATE_KEYS}
+    base.update(rates)
+    return {"dtype": "bfloat16", "num_threads": 2, **base, **ceiling_rates(base), "sizes": {}}
+
+
+def test_ceilings_take_the_best_bandwidth_and_gemm_rate():
+    rates = ceiling_rates(_calibration(stream_read_gbps=30.0, gemv_gbps=15.0, gemv_fp32_gbps=17.0,
+                                       gemm_gflops=10.0, gemm_fp32_gflops=40.0))
+    assert rates == {"bandwidth_gbps": 30.0, "peak_gflops": 40.0}
+    rates = ceiling_rates(_calibration(stream_read_gbps=12.0, gemv_gbps=16.0, gemv_fp32_gbps=14.0,
+                                       gemm_gflops=400.0, gemm_fp32_gflops=150.0))
+    assert rates == {"bandwidth_gbps": 16.0, "peak_gflops": 400.0}
+
+
+def test_merged_calibrations_keep_the_best_of_each_rate():
+    slow_phase = _calibration(stream_read_gbps=20.0, gemv_gbps=10.0, gemm_gflops=200.0, gemm_fp32_gflops=90.0)
+    fast_phase = _calibration(stream_read_gbps=45.0, gemv_gbps=9.0, gemm_gflops=380.0, gemm_fp32_gflops=80.0)
+    merged = merge_calibrations(slow_phase, fast_phase)
+    assert merged["stream_read_gbps"] == 45.0 and merged["gemv_gbps"] == 10.0
+    assert merged["gemm_gflops"] == 380.0 and merged["gemm_fp32_gflops"] == 90.0
+    assert merged["bandwidth_gbps"] == 45.0 and merged["peak_gflops"] == 380.0
+    assert merged["passes"] == 2 and merged["dtype"] == "bfloat16"
+    assert merge_calibrations(merged, slow_phase)["passes"] == 3
+
+
+def test_merge_needs_every_rate():
+    partial = _calibration()
+    del partial["gemv_fp32_gbps"]
+    with pytest.raises(KeyError):
+        merge_calibrations(partial, _calibration())
