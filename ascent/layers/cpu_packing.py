@@ -8,10 +8,11 @@ bf16/fp16 kernels (AVX2 CPUs), torch's 16-bit matmul is emulated at ~10 GFLOP/s 
 fp32 (Zen 1, 32-256 rows): the GEMM layout is then an fp32 copy of the weight (:func:`pack_linear_weight`).
 ``ASCENT_CPU_PACK_WEIGHTS=0`` disables both.
 
-Decode-sized calls (at most ``SMALL_M_MAX`` rows) go to ``gemv_cpu.cpp`` instead: one pybind call that streams the
-plain weight with software prefetch, where oneDNN pays ~10 µs of primitive dispatch per call and AMX tiles that
-small M cannot fill. That needs the plain rows *and* the packed copy; ``limit_dual_layouts`` drops the plain copies
-of a model whose duplicated bytes exceed ``dual_layout_budget_bytes()`` (then every call uses the packed weight).
+Decode-sized calls (at most ``small_m_max(dtype)`` rows) go to ``gemv_cpu.cpp`` instead: one pybind call that
+streams the plain weight with software prefetch, where oneDNN pays ~10 µs of primitive dispatch per call and AMX
+tiles that small M cannot fill. That needs the plain rows *and* the packed copy; ``limit_dual_layouts`` drops the
+plain copies of a model whose duplicated bytes exceed ``dual_layout_budget_bytes()`` (then every call uses the packed
+weight).
 ``ASCENT_CPU_SMALL_M_GEMV=0`` disables the kernel.
 
 On CPUs with AMX-BF16 a third layout replaces the plain rows: ``amx_linear_cpu.cpp`` streams B tiles packed once
@@ -22,6 +23,7 @@ hence oneDNN above 512 rows). ``ASCENT_CPU_AMX=0`` disables it.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -32,8 +34,14 @@ from torch import nn
 
 from ascent.layers.cpu_kernels import amx_ops, gemv_ops
 
-# Rows of x up to which the C++ small-M kernel is used (above it oneDNN's AMX path wins; see ``ascent bench``).
+# Rows of x up to which the C++ small-M kernel is used (above it oneDNN wins; see ``small_m_max``).
 SMALL_M_MAX = 4
+# bf16 on the kernel's AVX512-BF16 path, measured on a Zen 4 without AMX (SmolLM2, 2 threads). Per layer with hot
+# caches, time against oneDNN's packed bf16 GEMM: M = 4 0.67, 8 0.84, 16 0.99, 25 1.10, 32 1.21. End to end, decode
+# tok/s with this limit at 4 -> 8 -> 16: batch 6 298 -> 358-379, batch 8 313-325 -> 425-485, batch 12 440-494 ->
+# 555-561, batch 16 478-498 -> 542-585 (the weights stream from DRAM once per 4 rows of x, then from L2/L3); batch
+# 24 / 32 at 16 vs 32: 593 vs 616 / 644 vs 591 (no gain).
+SMALL_M_MAX_BF16_DOT = 16
 
 _PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 # Rows of x up to which an AMX-packed weight is used (oneDNN's blocked GEMM wins above).
@@ -119,6 +127,17 @@ def small_m_kernel(weight: torch.Tensor) -> ModuleType | None:
     return gemv_ops()
 
 
+@functools.lru_cache(maxsize=None)
+def small_m_max(dtype: torch.dtype) -> int:
+    """Rows of x up to which ``dtype`` calls take the small-M kernel: ``SMALL_M_MAX_BF16_DOT`` for bf16 where the
+    kernel has AVX512-BF16 dot products (one W pass serves 4 rows at full rate), else ``SMALL_M_MAX``. (With AMX the
+    tiles take these calls first; this range is then unused.) Cached: fixed for the process's CPU."""
+    ops = gemv_ops()
+    if dtype == torch.bfloat16 and ops is not None and ops.bf16_dot_path():
+        return SMALL_M_MAX_BF16_DOT
+    return SMALL_M_MAX
+
+
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None,
                small_m: ModuleType | None, amx: AmxWeight | None = None, float_output: bool = False) -> torch.Tensor:
     """``x [..., in]`` -> ``[..., out]`` through the fastest applicable path; all agree with ``F.linear`` up to fp32
@@ -128,7 +147,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Non
     if amx is not None and x.dtype == torch.bfloat16 and x.numel() <= AMX_MAX_M * x.shape[-1]:
         return amx.ops.amx_linear(x, amx.packed, bias, float_output)
     if (small_m is not None and x.dtype == weight.dtype and weight.numel() > 0
-            and x.numel() <= SMALL_M_MAX * weight.shape[1]
+            and x.numel() <= small_m_max(x.dtype) * weight.shape[1]
             and (bias is None or bias.dtype == x.dtype)):
         return small_m.linear_small_m(x, weight, bias)
     if packed is not None and (x.dtype == packed.dtype or packed.dtype == torch.float32):

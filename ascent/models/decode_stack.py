@@ -12,8 +12,8 @@ weight, quantized schemes that provide ``decode_stack_call``), tensor parallel s
 captured hidden states; and when the step is decode-only with at most ``max_tokens`` tokens: for quantized
 projections the range in which the module path uses the same small-M kernels (the schemes' crossovers), so the values
 are the module path's; unquantized ones make the module path's per-call choice (``cpu_packing.cpu_linear``: AMX
-tiles up to ``AMX_MAX_M`` rows, small-M kernel up to ``SMALL_M_MAX``, else the oneDNN-packed weight) and take any
-number of tokens. Anything else runs the modules.
+tiles up to ``AMX_MAX_M`` rows, small-M kernel up to ``small_m_max(dtype)``, else the oneDNN-packed weight) and take
+any number of tokens. Anything else runs the modules.
 ``ASCENT_CPU_DECODE_STACK=0`` disables it.
 """
 
@@ -29,7 +29,7 @@ from ascent.attention.backends.sdpa import SDPAImpl, SDPAMetadata
 from ascent.forward_context import get_forward_context
 from ascent.layers.activation import SiluAndMul
 from ascent.layers.cpu_kernels import decode_stack_ops
-from ascent.layers.cpu_packing import AMX_MAX_M, SMALL_M_MAX
+from ascent.layers.cpu_packing import AMX_MAX_M, small_m_max
 from ascent.layers.linear import UnquantizedLinearMethod
 
 
@@ -74,7 +74,7 @@ def linear_call(linear: nn.Module) -> LinearSpec | None:
         empty = torch.empty(0, dtype=weight.dtype)
         tensors = [weight, bias, packed, amx.packed if amx is not None else None]
         return 0, [t if t is not None else empty for t in tensors], \
-            [SMALL_M_MAX if small_m else 0, AMX_MAX_M if amx is not None else 0]
+            [small_m_max(weight.dtype) if small_m else 0, AMX_MAX_M if amx is not None else 0]
     call = getattr(method, "decode_stack_call", None)
     return call(linear) if call is not None else None
 

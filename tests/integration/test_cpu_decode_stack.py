@@ -45,20 +45,21 @@ def test_stack_equals_module_path(tmp_path, monkeypatch, kind, layer_types):
 @pytest.mark.parametrize("dual_layout_bytes", [None, "0"])
 @pytest.mark.parametrize("gemm_layout", ["cpu", "fp32"])
 def test_stack_beyond_the_small_m_range_equals_module_path(tmp_path, monkeypatch, dual_layout_bytes, gemm_layout):
-    """Batches above SMALL_M_MAX: unquantized projections make the same per-call choice in both paths (AMX tiles or
-    the plain rows kept beside the oneDNN-packed weight, and with those released so only the packed weights exist).
+    """Batches above the small-M range: unquantized projections make the same per-call choice in both paths (AMX
+    tiles or the plain rows kept beside the oneDNN-packed weight, and with those released so only the packed weights
+    exist).
     ``fp32``: the GEMM layout of CPUs without native 16-bit GEMM (an fp32 copy), whatever this CPU has."""
     from ascent.layers import cpu_packing
-    from ascent.layers.cpu_packing import SMALL_M_MAX
+    from ascent.layers.cpu_packing import small_m_max
 
     if gemm_layout == "fp32":
         monkeypatch.setattr(cpu_packing, "native_16bit_gemm", lambda dtype: False)
     if dual_layout_bytes is not None:
         monkeypatch.setenv("ASCENT_CPU_DUAL_LAYOUT_BYTES", dual_layout_bytes)
     model_dir = str(build_model("llama", tmp_path / "m", seed=7))
-    prompts = PROMPTS + [p + " again" for p in PROMPTS] + ["one more prompt"]
+    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS] + ["one more prompt"]  # 17 rows per decode step
     fused, stack, _ = _run(model_dir, monkeypatch, "1", prompts)
-    assert stack.largest_step == len(prompts) > SMALL_M_MAX
+    assert stack.largest_step == len(prompts) > small_m_max(torch.bfloat16)
     layer = stack.model.layers[0].self_attn.qkv_proj
     second_copy = layer.amx_weight is not None or layer.weight.numel() > 0  # AMX tiles, else the plain rows
     assert second_copy == (dual_layout_bytes is None) and layer.packed_weight is not None
@@ -93,7 +94,7 @@ def test_speculative_verification_through_the_stack_equals_plain_greedy(tmp_path
 
 
 def test_batched_speculative_verification_through_the_stack_equals_module_path(tmp_path, monkeypatch):
-    """Verification steps of several requests (k + 1 rows each, above SMALL_M_MAX) run through the stack with the
+    """Verification steps of several requests (k + 1 rows each, above the small-M range) run through the stack with the
     module path's values."""
     model_dir = str(build_model("llama", tmp_path / "m", seed=8))
     prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8, 9, 5 + i, 6, 7, 8, 9, 5 + i, 6, 7, 8]} for i in range(4)]

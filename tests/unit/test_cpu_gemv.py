@@ -87,16 +87,33 @@ def test_dispatch_small_m_kernel_then_packed(gemv):
     w = (torch.randn(64, 32) * 0.1).to(torch.bfloat16)
     packed = cpu_packing.pack_linear_weight(w)
     recorder = _Recorder(gemv)
-    for m in range(1, cpu_packing.SMALL_M_MAX + 3):
+    limit = cpu_packing.small_m_max(torch.bfloat16)
+    for m in range(1, limit + 3):
         x = torch.randn(m, 32).to(torch.bfloat16)
         before = recorder.calls
         got = cpu_packing.cpu_linear(x, w, packed, None, recorder)
-        assert recorder.calls == before + (1 if m <= cpu_packing.SMALL_M_MAX else 0)
+        assert recorder.calls == before + (1 if m <= limit else 0)
         torch.testing.assert_close(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
     # released plain rows (packed-only layer) never reach the kernel
     assert cpu_packing.cpu_linear(torch.randn(1, 32).to(torch.bfloat16), torch.empty(0, dtype=torch.bfloat16),
                                   packed, None, recorder).shape == (1, 64)
-    assert recorder.calls == cpu_packing.SMALL_M_MAX
+    assert recorder.calls == limit
+
+
+def test_small_m_range_follows_the_kernel_path(gemv):
+    """bf16 on the AVX512-BF16 dot path keeps the small-M kernel up to SMALL_M_MAX_BF16_DOT rows; other paths and
+    fp16 up to SMALL_M_MAX."""
+    assert cpu_packing.small_m_max(torch.float16) == cpu_packing.SMALL_M_MAX
+    expected = cpu_packing.SMALL_M_MAX_BF16_DOT if gemv.bf16_dot_path() else cpu_packing.SMALL_M_MAX
+    assert cpu_packing.small_m_max(torch.bfloat16) == expected
+    previous = gemv.set_isa_limit(2)  # below AVX512-BF16
+    cpu_packing.small_m_max.cache_clear()
+    try:
+        assert not gemv.bf16_dot_path()
+        assert cpu_packing.small_m_max(torch.bfloat16) == cpu_packing.SMALL_M_MAX
+    finally:
+        gemv.set_isa_limit(previous)
+        cpu_packing.small_m_max.cache_clear()
 
 
 def test_isa_limit_rejects_bad_levels(gemv):

@@ -311,6 +311,9 @@ torch::Tensor linear_small_m(const torch::Tensor& x, const torch::Tensor& weight
   return out.view(out_sizes);
 }
 
+// Whether bf16 calls take the AVX512-BF16 dot-product path now (the Python side sizes the small-M range from it).
+bool bf16_dot_path() { return pick_path(false) == Path::kBf16Dot; }
+
 int64_t set_gemv_isa_limit(int64_t level) {
   TORCH_CHECK(level >= 0 && level <= 3, "set_isa_limit: level must be in [0, 3], got ", level);
   const int64_t previous = g_isa_limit;
@@ -322,6 +325,7 @@ int64_t set_gemv_isa_limit(int64_t level) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small_m", &linear_small_m, "y = x @ W^T (+ bias) for small M, bf16/fp16, fp32 accumulation",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("bf16_dot_path", &bf16_dot_path, "bf16_dot_path() -> whether bf16 takes the AVX512-BF16 path");
   m.def("set_isa_limit", &set_gemv_isa_limit, "set_isa_limit(level) -> previous (0 scalar, 1 AVX2, 2 AVX512F, "
         "3 AVX512-BF16; tests lower it to cover every path)");
 }
