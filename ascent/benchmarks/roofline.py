@@ -117,7 +117,8 @@ def ceiling_rates(calibration: dict[str, Any]) -> dict[str, float]:
     without native 16-bit arithmetic, where torch's 16-bit GEMV/GEMM are conversion-bound and an engine can do
     better (e.g. by keeping an fp32 copy)."""
     bandwidth = max(calibration[k] for k in ("stream_read_gbps", "gemv_gbps", "gemv_fp32_gbps"))
-    return {"bandwidth_gbps": bandwidth, "peak_gflops": max(calibration["gemm_gflops"], calibration["gemm_fp32_gflops"])}
+    peak = max(calibration["gemm_gflops"], calibration["gemm_fp32_gflops"])
+    return {"bandwidth_gbps": bandwidth, "peak_gflops": peak}
 
 
 def _cfg_int(cfg: Any, name: str, default: int | None = None) -> int:

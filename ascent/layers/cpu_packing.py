@@ -131,7 +131,8 @@ def small_m_kernel(weight: torch.Tensor) -> ModuleType | None:
 def small_m_max(dtype: torch.dtype) -> int:
     """Rows of x up to which ``dtype`` calls take the small-M kernel: ``SMALL_M_MAX_BF16_DOT`` for bf16 where the
     kernel has AVX512-BF16 dot products (one W pass serves 4 rows at full rate), else ``SMALL_M_MAX``. (With AMX the
-    tiles take these calls first; this range is then unused.) Cached: fixed for the process's CPU."""
+    tiles take these calls first; this range is then unused.) Cached once computed, so the module path and the decode
+    stack always agree (a test that lowers the kernel's ISA limit and then asks must clear the cache)."""
     ops = gemv_ops()
     if dtype == torch.bfloat16 and ops is not None and ops.bf16_dot_path():
         return SMALL_M_MAX_BF16_DOT

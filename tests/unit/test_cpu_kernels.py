@@ -127,7 +127,8 @@ def test_bf16_vector_paths_with_tails(ops, isa, d, hidden):
 @pytest.mark.parametrize("heads,kv_heads", [(3, 3), (4, 2), (6, 2), (8, 2), (8, 1)])
 def test_grouped_bf16_attention_matches_sdpa(ops, isa, d, heads, kv_heads):
     """avx512_attention.h (all query heads of a KV head per pass; group * d / 16 <= 16) and, beyond that, the
-    per-head kernel (AVX512, or AVX2 below that level): contexts of 1 key, of a partial 16-key block and of several blocks, with and without a window."""
+    per-head kernel (AVX512, or AVX2 below that level): contexts of 1 key, of a partial 16-key block and of several
+    blocks, with and without a window."""
     gen = torch.Generator().manual_seed(d + heads)
     num_slots = 120
     cache = _paged_cache(torch.bfloat16, num_slots, kv_heads, d, gen)
