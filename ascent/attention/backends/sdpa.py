@@ -271,7 +271,9 @@ class SDPAImpl(AttentionImpl):
     """See the module docstring; optional ``sliding_window`` (keys with ``pos - key < window``) is honoured.
 
     With the CPU profile's fused kernels, the KV write and decode attention run as one C++ call each on CPU
-    (``paged_kv_write``, ``paged_decode_attention``: fp32 softmax over the request's own slots, no gather/padding).
+    (``paged_kv_write``, ``paged_decode_attention``: fp32 softmax over the request's own slots, no gather/padding),
+    and bf16 prefills (fresh, or a chunk over its gathered cached prefix) take ``prefill_attention`` where it applies
+    (AVX512-BF16 without AMX, head size a multiple of 32 up to 256).
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
@@ -392,9 +394,20 @@ class SDPAImpl(AttentionImpl):
         """``[L, num_heads*d]`` -> ``[1, num_heads, L, d]`` (4-D: the CPU kernels are faster than for 3-D)."""
         return x.reshape(1, x.shape[0], num_heads, self.head_size).transpose(1, 2)
 
+    def _prefill_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether the fused AVX512-BF16 causal kernel (``prefill_attention``) takes this prefill: bf16 CPU tensors
+        with unit last stride (k / v: this chunk's rows or the cache planes) and a head size it supports (2-3x torch's
+        SDPA there)."""
+        return (self._fused is not None and q.device.type == "cpu" and q.dtype == torch.bfloat16
+                and k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16 and q.dim() == 2 and q.stride(-1) == 1
+                and k.stride(-1) == 1 and v.stride(-1) == 1 and self._fused.prefill_attention_available(self.head_size))
+
     def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of rows that form one whole sequence (no cached prefix)."""
+        if self._prefill_kernel(q, k, v):
+            k, v = k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)
+            return self._fused.prefill_attention(q, k, v, self.num_heads, self.scale, 0, self.sliding_window or 0)
         if mask is None and self.sliding_window is not None:
             n = q.shape[0]
             mask = _prefill_mask(SDPAPrefill(0, n, 0, n, None, None), self.sliding_window, q.device)
@@ -407,6 +420,12 @@ class SDPAImpl(AttentionImpl):
     def _attend_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: SDPAPrefill,
                        mask: torch.Tensor | None) -> torch.Tensor:
         assert p.context_slots is not None
+        if self._prefill_kernel(q, k_cache, v_cache):  # the context's K/V rows, then this chunk's queries over them
+            width = self.num_kv_heads * self.head_size
+            kc = k_cache.index_select(0, p.context_slots).view(-1, width)
+            vc = v_cache.index_select(0, p.context_slots).view(-1, width)
+            return self._fused.prefill_attention(q, kc, vc, self.num_heads, self.scale, p.num_computed,
+                                                 self.sliding_window or 0)
         kc = k_cache.index_select(0, p.context_slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
         vc = v_cache.index_select(0, p.context_slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
         o = F.scaled_dot_product_attention(

@@ -39,7 +39,8 @@ def _compile_flags() -> list[str]:
 
 # The kernel sources each source #includes directly (their bytes, and their own includes', are part of the build hash).
 _INCLUDES: dict[str, tuple[str, ...]] = {
-    "fused_cpu.cpp": ("amx_tiles.h", "avx512_bf16.h", "avx2_bf16.h", "avx512_attention.h", "amx_attention.h"),
+    "fused_cpu.cpp": ("amx_tiles.h", "avx512_bf16.h", "avx2_bf16.h", "avx512_attention.h", "amx_attention.h",
+                      "avx512_prefill_attention.h"),
     "amx_linear_cpu.cpp": ("amx_tiles.h",),
     "quant_gemv_cpu.cpp": ("amx_tiles.h", "quant_wo_blocks.h", "quant_wo_bf16.h", "quant_wo_fma8.h",
                            "quant_wo_vnni.h", "quant_int8_blocks.h", "quant_amx_int8.h", "quant_amx_ops.h"),

@@ -64,6 +64,7 @@ inline float exp_approx(float x) {
 #include "avx2_bf16.h"
 #include "avx512_attention.h"
 #include "amx_attention.h"
+#include "avx512_prefill_attention.h"
 
 }  // namespace
 
@@ -353,6 +354,43 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   return out;
 }
 
+// Causal prefill attention (avx512_prefill_attention.h): q [tq, heads * d], k / v [tk, kv_heads * d] (row-strided
+// views are fine), all bf16; query i sits at position q_offset + i with tk == q_offset + tq; window > 0 keeps the last
+// `window` keys of each query. Returns [tq, heads * d] bf16. Only where prefill_attention_available(d).
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_heads,
+                             double scale, int64_t q_offset, int64_t window) {
+  check_rows(q, "q");
+  check_rows(k, "k");
+  check_rows(v, "v");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "prefill_attention: q, k and v must be bfloat16");
+  TORCH_CHECK(num_heads > 0 && q.size(1) % num_heads == 0, "prefill_attention: q width ", q.size(1),
+              " is not a multiple of num_heads ", num_heads);
+  const int64_t d = q.size(1) / num_heads, tq = q.size(0), tk = k.size(0);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) % d == 0 && num_heads % (k.size(1) / d) == 0,
+              "prefill_attention: k/v must be [tk, kv_heads * ", d, "] with kv_heads dividing ", num_heads);
+  TORCH_CHECK(q_offset >= 0 && tk == q_offset + tq, "prefill_attention: tk (", tk, ") must equal q_offset (",
+              q_offset, ") + tq (", tq, ")");
+  TORCH_CHECK(window >= 0, "prefill_attention: window must be >= 0");
+  TORCH_CHECK(prefill_attention_applies(d), "prefill_attention: needs AVX512-BF16 and a head dim that is a multiple ",
+              "of 32 up to ", kMaxHeadDim, ", got ", d);
+  auto out = at::empty({tq, q.size(1)}, q.options());
+  if (tq == 0) return out;
+  prefill_attention_avx512({q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), q.stride(0), k.stride(0),
+                            v.stride(0), tq, tk, num_heads, k.size(1) / d, d, q_offset, window,
+                            static_cast<float>(scale), out.data_ptr<bf16>()});
+  return out;
+}
+
+bool prefill_attention_available(int64_t d) { return prefill_attention_applies(d); }
+
+int64_t set_prefill_attention(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "prefill attention mode must be -1 (auto), 0 (off) or 1 (on), got ", mode);
+  const int64_t previous = g_prefill_attention;
+  g_prefill_attention = static_cast<int>(mode);
+  return previous;
+}
+
 int64_t set_isa_limit(int64_t level) {
   TORCH_CHECK(level >= 0 && level <= 2, "isa level must be 0 (scalar), 1 (AVX2+FMA) or 2 (AVX512), got ", level);
   const int64_t previous = g_fused_isa;
@@ -376,6 +414,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_kv_write", &paged_kv_write, "paged_kv_write(kv_cache [2,S,W], k [T,W], v [T,W], slots [T])");
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged_decode_attention(q [n, heads*d], kv_cache [2,S,kvh,d], slots [n,L], seq_lens [n], heads, scale, window)");
+  m.def("prefill_attention", &prefill_attention,
+        "prefill_attention(q [tq, H*d], k [tk, KV*d], v, num_heads, scale, q_offset, window) -> [tq, H*d] (bf16)");
+  m.def("prefill_attention_available", &prefill_attention_available,
+        "prefill_attention_available(head_dim) -> whether prefill_attention runs here");
+  m.def("set_prefill_attention", &set_prefill_attention,
+        "set_prefill_attention(-1 auto | 0 off | 1 on where AVX512-BF16 exists) -> previous (tests)");
   m.def("silu_and_mul", &silu_and_mul, "silu_and_mul(x [T, 2d]) -> [T, d]");
   m.def("set_isa_limit", &set_isa_limit, "set_isa_limit(level) -> previous (0 scalar, 1 AVX2+FMA, 2 AVX512)");
   m.def("set_amx_attention", &set_amx_attention, "set_amx_attention(1|0) -> previous (tests: 0 = the AVX512 kernels)");

@@ -1,0 +1,162 @@
+"""The fused AVX512-BF16 causal prefill attention (``prefill_attention``) against a float64 recomputation, alone and
+as the SDPA backend's fresh / cached-prefix prefill path; routing falls back to torch SDPA where it does not apply.
+
+Shapes cover one row, partial query blocks and key blocks (64 keys), GQA groups 1-8, head dims 32-256, row-strided
+q/k/v (slices of one fused QKV row), cached prefixes (query i at position q_offset + i) and sliding windows, including
+windows that leave some query vectors of a 4-vector tile without any key in the first key block the tile visits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ascent.attention.backends.sdpa import SDPABackend
+from ascent.layers import cpu_kernels
+from tests.fixtures.paged_case import make_paged_case
+
+TOL = 3e-2  # bf16 output rounding (values of magnitude ~1-8) plus P rounded to bf16 before P.V
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_kernels.fused_ops()
+    assert module is not None, "the CPU profile must build the fused kernels (a C++ compiler is a test requirement)"
+    return module
+
+
+@pytest.fixture()
+def kernel(ops):
+    """The kernel at full ISA level, on wherever AVX512-BF16 exists (auto mode leaves AMX CPUs to torch's SDPA);
+    CPUs without AVX512-BF16 cannot run it (the routing test covers them)."""
+    previous, previous_mode = ops.set_isa_limit(2), ops.set_prefill_attention(1)
+    try:
+        if not ops.prefill_attention_available(64):
+            pytest.skip("this CPU has no AVX512-BF16: prefill_attention does not apply (routing tested separately)")
+        yield ops
+    finally:
+        ops.set_isa_limit(previous)
+        ops.set_prefill_attention(previous_mode)
+
+
+def test_mode_switch_validates_and_gates(ops) -> None:
+    with pytest.raises(RuntimeError, match="prefill attention mode"):
+        ops.set_prefill_attention(2)
+    previous = ops.set_prefill_attention(0)
+    try:
+        assert not ops.prefill_attention_available(64)
+        assert ops.set_prefill_attention(-1) == 0
+    finally:
+        ops.set_prefill_attention(previous)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, d: int, q_offset: int,
+              window: int) -> torch.Tensor:
+    """float64 causal attention: q ``[tq, heads*d]`` at positions q_offset.., k/v ``[tk, kv_heads*d]``."""
+    tq, tk, kv_heads = q.shape[0], k.shape[0], k.shape[1] // d
+    qh = q.double().reshape(tq, heads, d).transpose(0, 1)
+    kh = k.double().reshape(tk, kv_heads, d).transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+    vh = v.double().reshape(tk, kv_heads, d).transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+    scores = qh @ kh.transpose(1, 2) / math.sqrt(d)
+    q_pos = torch.arange(q_offset, q_offset + tq).unsqueeze(1)
+    k_pos = torch.arange(tk).unsqueeze(0)
+    allowed = k_pos <= q_pos
+    if window:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ vh).transpose(0, 1).reshape(tq, heads * d)
+
+
+def fused_qkv(tq: int, q_offset: int, heads: int, kv_heads: int, d: int, seed: int):
+    """q (the last tq rows) and k / v (all q_offset + tq rows) as column slices of one bf16 QKV tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(q_offset + tq, (heads + 2 * kv_heads) * d, generator=gen) * 2).to(torch.bfloat16)
+    return qkv[q_offset:, : heads * d], qkv[:, heads * d : (heads + kv_heads) * d], qkv[:, (heads + kv_heads) * d :]
+
+
+@pytest.mark.parametrize(
+    "tq,q_offset,heads,kv_heads,d,window",
+    [(1, 0, 9, 3, 64, 0), (7, 0, 9, 3, 64, 0), (64, 0, 4, 4, 64, 0), (65, 0, 8, 1, 32, 0), (200, 0, 9, 3, 64, 0),
+     (100, 37, 8, 2, 128, 0), (33, 300, 6, 2, 256, 0), (257, 0, 4, 4, 64, 50), (130, 10, 6, 3, 64, 1),
+     (150, 0, 6, 2, 64, 64), (70, 90, 9, 3, 64, 17)],
+)
+def test_kernel_matches_float64(kernel, tq: int, q_offset: int, heads: int, kv_heads: int, d: int,
+                                window: int) -> None:
+    q, k, v = fused_qkv(tq, q_offset, heads, kv_heads, d, seed=tq * 1000 + q_offset)
+    out = kernel.prefill_attention(q, k, v, heads, 1 / math.sqrt(d), q_offset, window)
+    assert out.shape == (tq, heads * d) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    want = reference(q, k, v, heads, d, q_offset, window)
+    assert (out.double() - want).abs().max().item() <= TOL * max(1.0, want.abs().max().item())
+
+
+def test_kernel_equals_itself_on_contiguous_copies(kernel) -> None:
+    q, k, v = fused_qkv(90, 20, 9, 3, 64, seed=3)
+    strided = kernel.prefill_attention(q, k, v, 9, 0.125, 20, 0)
+    dense = kernel.prefill_attention(q.contiguous(), k.contiguous(), v.contiguous(), 9, 0.125, 20, 0)
+    assert torch.equal(strided, dense)
+
+
+def test_kernel_rejects_bad_inputs(kernel) -> None:
+    q, k, v = fused_qkv(8, 4, 4, 2, 64, seed=5)
+    with pytest.raises(RuntimeError, match="must equal q_offset"):
+        kernel.prefill_attention(q, k, v, 4, 0.125, 0, 0)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel.prefill_attention(q.float(), k, v, 4, 0.125, 4, 0)
+    with pytest.raises(RuntimeError, match="kv_heads dividing"):
+        kernel.prefill_attention(q, k[:, :96], v[:, :96], 4, 0.125, 4, 0)
+    with pytest.raises(RuntimeError, match="head dim"):
+        kernel.prefill_attention(q[:, :48 * 4], k[:, :48 * 2], v[:, :48 * 2], 4, 0.125, 4, 0)
+    with pytest.raises(RuntimeError, match="window"):
+        kernel.prefill_attention(q, k, v, 4, 0.125, 4, -1)
+
+
+def _backend_case(dtype: torch.dtype, window: int | None):
+    """Fresh and cached-prefix prefills (longer than the batched short-query path) plus decodes, head dim 64."""
+    rng = np.random.default_rng(7)
+    gen = torch.Generator().manual_seed(7)
+    reqs = [(0, 70), (40, 30), (23, 1), (0, 17), (66, 65)]
+    case = make_paged_case(reqs, dtype, 2, rng, gen, num_blocks=64, block_size=16, num_kv_heads=3, num_heads=9,
+                           head=64, sentinel=77.0, spare_blocks=1)
+    return reqs, *case
+
+
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("isa_level", [2, 1], ids=["kernel", "torch-sdpa"])
+def test_backend_prefills_match_float64(ops, isa_level: int, window: int | None,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 prefills through SDPAImpl: with the kernel (where the CPU has it) and with it ruled out (ISA limit 1),
+    both match float64; the kernel is called exactly for the prefill requests when it applies."""
+    reqs, common, cache, q, k_new, v_new, full_k, full_v = _backend_case(torch.bfloat16, window)
+    previous, previous_mode = ops.set_isa_limit(isa_level), ops.set_prefill_attention(1)
+    try:
+        applies = bool(ops.prefill_attention_available(64))
+        calls = []
+        impl = SDPABackend.get_impl_cls()(9, 64, 0.125, 3, sliding_window=window)
+        if impl._fused is not None:
+            real = impl._fused
+
+            class Spy:
+                def __getattr__(self, name):
+                    return getattr(real, name)
+
+                def prefill_attention(self, *args):
+                    calls.append(args[5])  # q_offset
+                    return real.prefill_attention(*args)
+
+            monkeypatch.setattr(impl, "_fused", Spy())
+        out = impl.forward(q, k_new, v_new, cache, SDPABackend.get_builder_cls()().build(common))
+    finally:
+        ops.set_isa_limit(previous)
+        ops.set_prefill_attention(previous_mode)
+    qsl = common.query_start_loc_np
+    for i, (c, n) in enumerate(reqs):
+        want = reference(q[qsl[i] : qsl[i + 1]], full_k[i], full_v[i], 9, 64, c, window or 0)
+        got = out[qsl[i] : qsl[i + 1]].double()
+        assert (got - want).abs().max().item() <= TOL * max(1.0, want.abs().max().item()), (i, c, n)
+    expected_calls = sorted(c for c, n in reqs if n > 16 or (c == 0 and n > 1)) if applies else []
+    assert sorted(calls) == expected_calls
+    if isa_level == 1:
+        assert not applies
