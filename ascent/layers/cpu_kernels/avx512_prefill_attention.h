@@ -12,8 +12,8 @@
 //   softmax: online per query vector (running max m, sum l, output rescaled by exp(m_old - m_new));
 //   values:  P rounded to bf16 (as torch's flash kernel does for bf16) and accumulated with vdpbf16ps into fp32
 //            output rows; out = O / l rounded once to bf16.
-// Query i sits at position q_offset + i and sees keys j <= q_offset + i (and j > q_offset + i - window when window > 0);
-// tk == q_offset + tq (the cached context followed by this chunk's own keys).
+// Query i sits at position q_offset + i and sees keys j <= q_offset + i (and j > q_offset + i - window when
+// window > 0); tk == q_offset + tq (the cached context followed by this chunk's own keys).
 #pragma once
 
 #include <atomic>
@@ -156,7 +156,8 @@ ASCENT_AVX512_BF16 void quad_values(QuadState& s, const bool (&active)[4], const
   }
 }
 
-// The query vectors [v0, v0 + n) (n <= 4) of KV head h's task: vector i is row t0 + i / group, head h * group + i % group.
+// The query vectors [v0, v0 + n) (n <= 4) of KV head h's task: vector i is row t0 + i / group, head
+// h * group + i % group.
 ASCENT_AVX512_BF16 void attend_quad(const PrefillAttnArgs& a, int64_t h, int64_t t0, int64_t v0, int n,
                                     const uint16_t* kpack, const uint16_t* vpack) {
   const int64_t d = a.d, group = a.heads / a.kv_heads, block_elems = kKeyBlock * d;
