@@ -9,6 +9,9 @@ windows that leave some query vectors of a 4-vector tile without any key in the 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -111,6 +114,17 @@ def test_kernel_rejects_bad_inputs(kernel) -> None:
         kernel.prefill_attention(q[:, :48 * 4], k[:, :48 * 2], v[:, :48 * 2], 4, 0.125, 4, 0)
     with pytest.raises(RuntimeError, match="window"):
         kernel.prefill_attention(q, k, v, 4, 0.125, 4, -1)
+
+
+@pytest.mark.parametrize("value,mode", [("0", 0), ("1", 1), ("", -1), ("yes", -1)])
+def test_environment_sets_the_initial_mode(value: str, mode: int) -> None:
+    """ASCENT_CPU_PREFILL_ATTENTION is read when the kernels load: 0 off, 1 on, anything else auto."""
+    code = ("from ascent.layers import cpu_kernels; ops = cpu_kernels.fused_ops(); "
+            "print(ops.set_prefill_attention(-1))")
+    env = {**os.environ, "ASCENT_CPU_PREFILL_ATTENTION": value}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == str(mode)
 
 
 def _backend_case(dtype: torch.dtype, window: int | None):

@@ -34,8 +34,16 @@ struct PrefillAttnArgs {
 };
 
 // -1 auto: CPUs with AVX512-BF16 and without AMX (with AMX, torch's SDPA runs oneDNN's AMX micro-kernels; this
-// kernel is not measured there); 1: wherever AVX512-BF16 exists (tests); 0: never. set_prefill_attention changes it.
-int g_prefill_attention = -1;
+// kernel is not measured there); 1: wherever AVX512-BF16 exists; 0: never. The environment's
+// ASCENT_CPU_PREFILL_ATTENTION=0 / 1 sets it at load (anything else: auto); set_prefill_attention changes it (tests).
+int initial_prefill_mode() {
+  const char* v = std::getenv("ASCENT_CPU_PREFILL_ATTENTION");
+  if (v != nullptr && std::strcmp(v, "0") == 0) return 0;
+  if (v != nullptr && std::strcmp(v, "1") == 0) return 1;
+  return -1;
+}
+
+int g_prefill_attention = initial_prefill_mode();
 
 inline bool prefill_attention_applies(int64_t d) {
   const bool wanted = g_prefill_attention > 0 || (g_prefill_attention < 0 && !ascent_tiles::amx_usable());
