@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ascent.layers.cpu_packing import pack_linear_weight, packed_linear
 from ascent.platform.ops_utils import symmetric_quant
+from ascent.quantization.wo_nv import NvLayout, nv_applies, prepare_nv, unpack_nibbles
 
 REFERENCE_ENV = "ASCENT_QUANT_REFERENCE"
 # Weight-only packed kernels vs the dequantize-once dense weight (bf16, oneDNN-packed), measured once on this
@@ -78,6 +79,10 @@ STACK_KIND_W8A8_DYNAMIC_AMX, STACK_KIND_W8A8_STATIC_AMX, STACK_KIND_W8A16_AMX = 
 #   7 W8A8 static on the small-M kernel (CPUs without AMX-INT8): ascent_quant::w8a8_static_linear(x, weight, row_sum,
 #     s_x, z_x, deq, quant_bias?, bias?)   tensors [weight, row_sum, deq, quant_bias, bias, fp32 [s_x, z_x]]
 STACK_KIND_W8A8_STATIC = 7
+#   8 weight-only on the row-interleaved layout (``wo_nv.py``): ascent_quant::wo_nv_linear_impl(x, packed, bits, N, K,
+#     scale, zero?, scale_nv, zero_scale_nv?, bias?)  tensors [packed, scale, zero, scale_nv, zero_scale_nv, bias],
+#     ints [bits, N, K]
+STACK_KIND_WO_NV = 8
 StackSpec = tuple[int, list[torch.Tensor], list[int]]
 
 
@@ -363,7 +368,8 @@ def int8_gemv_static(g: Int8Gemv, x: torch.Tensor, input_scale: float, input_off
 @dataclass
 class WeightOnlyGemv:
     """Operands of the weight-only small-M kernels: ``weight`` int8 [N, K] (bits 8) or nibble bytes uint8
-    [N, ceil(K/2)] (bits 4, ``w4a16_pack`` layout), ``scale`` fp32 [N, G], ``zero`` fp32 [N, G] or None."""
+    [N, ceil(K/2)] (bits 4, ``w4a16_pack`` layout), ``scale`` fp32 [N, G], ``zero`` fp32 [N, G] or None; ``nv``
+    the row-interleaved layout (``wo_nv.py``) that 16-bit x takes when present."""
 
     ops: ModuleType
     bits: int
@@ -371,6 +377,7 @@ class WeightOnlyGemv:
     weight: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None
+    nv: NvLayout | None = None
 
     @property
     def max_m(self) -> int:
@@ -381,6 +388,10 @@ class WeightOnlyGemv:
         """The decode-stack call of this linear (see :data:`STACK_KIND_W8A16` / :data:`STACK_KIND_W4A16`, and
         :data:`STACK_KIND_W8A16_AMX` with ``amx``)."""
         tensors = [self.weight, self.scale, _or_empty(self.zero, self.scale), _or_empty(bias, self.scale)]
+        if self.nv is not None:
+            nv = self.nv
+            return (STACK_KIND_WO_NV, [nv.packed, self.scale, tensors[2], nv.scale, _or_empty(nv.zero_scale, nv.scale),
+                                       tensors[3]], [self.bits, nv.n, self.k])
         if self.bits == 8 and amx is not None:
             return STACK_KIND_W8A16_AMX, tensors + [amx.packed], [self.max_m]
         if self.bits == 8:
@@ -389,21 +400,30 @@ class WeightOnlyGemv:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K] @ ((q - zero) * scale)^T (+ bias)`` -> x's dtype ``[..., N]``."""
+        nv = self.nv
+        if nv is not None and x.dtype in (torch.bfloat16, torch.float16):
+            return self.ops.wo_nv_linear(x, nv.packed, self.bits, nv.n, self.k, self.scale, self.zero, nv.scale,
+                                         nv.zero_scale, bias)
         if self.bits == 8:
             return self.ops.w8a16_linear(x, self.weight, self.scale, self.zero, bias)
         return self.ops.w4a16_linear(x, self.weight, self.k, self.scale, self.zero, bias)
 
 
-def prepare_wo_gemv(weight: torch.Tensor, bits: int, k: int, scale: torch.Tensor, zero: torch.Tensor | None
-                    ) -> WeightOnlyGemv | None:
+def prepare_wo_gemv(weight: torch.Tensor, bits: int, k: int, scale: torch.Tensor, zero: torch.Tensor | None,
+                    dtype: torch.dtype | None = None) -> WeightOnlyGemv | None:
     """Weight-only kernel operands, None when not applicable (non-CPU, no kernels, int4 groups not a multiple of
     32 columns). ``weight``: int8 [N, K] values (bits 8) or already-packed nibble bytes uint8 [N, ceil(K/2)]
-    (bits 4; int8 [N, K] values are packed here)."""
+    (bits 4; int8 [N, K] values are packed here). ``dtype``: the model's dtype (a 16-bit one lets
+    :func:`~ascent.quantization.wo_nv.nv_applies` add the row-interleaved layout)."""
     ops = gemv_module(weight)
     groups = scale.shape[-1]
     if ops is None or (bits == 4 and groups > 1 and (k // groups) % 32):
         return None
+    nv = None
+    if nv_applies(ops, bits, k, groups, dtype):
+        q = weight if weight.dtype == torch.int8 else unpack_nibbles(weight, k)
+        nv = prepare_nv(ops, q, bits, scale, zero)
     if bits == 4 and weight.dtype == torch.int8:
         weight = ops.w4a16_pack(weight.contiguous())
     z = None if zero is None else zero.float().contiguous()
-    return WeightOnlyGemv(ops, bits, k, weight.contiguous(), scale.float().contiguous(), z)
+    return WeightOnlyGemv(ops, bits, k, weight.contiguous(), scale.float().contiguous(), z, nv)

@@ -192,6 +192,7 @@ struct Store {
 #include "quant_wo_bf16.h"
 #include "quant_wo_fma8.h"
 #include "quant_wo_vnni.h"
+#include "quant_wo_nv.h"
 #include "quant_int8_blocks.h"
 #include "quant_amx_int8.h"
 
@@ -439,6 +440,14 @@ int64_t set_wo_vnni(int64_t value) {
   return old;
 }
 
+// quant_wo_nv.h's kernels: y [M, N] = x [M, K] @ ((q - zero) * scale)^T (+ bias) on wo_nv_pack's layout.
+at::Tensor wo_nv_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, int64_t n, int64_t k,
+                        const at::Tensor& scale_nk, const c10::optional<at::Tensor>& zero_nk, const at::Tensor& scale_nv,
+                        const c10::optional<at::Tensor>& zs_nv, const c10::optional<at::Tensor>& bias) {
+  const at::Tensor x = rows_of(x_in, k);
+  return like_x(wo_nv_linear_impl(x, packed, bits, n, k, scale_nk, zero_nk, scale_nv, zs_nv, bias), x_in);
+}
+
 // Which ISA the kernels use now: "avx512-vnni", "avx512" or "generic".
 std::string isa() {
   if (!use_avx512()) return "generic";
@@ -455,6 +464,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a16_pack", &ascent_quant::w4a16_pack, "w4a16_pack(q int8 [N,K] in [-8,7]) -> uint8 [N, ceil(K/2)]");
   m.def("w4a16_linear", &ascent_quant::w4a16_linear,
         "w4a16_linear(x [...,K], packed uint8, K, scale f32 [N,G], zero, bias) -> [...,N]");
+  m.def("wo_nv_pack", &ascent_quant::wo_nv_pack, "wo_nv_pack(q int8 [N,K], bits) -> uint8 [Npad/64, K steps, 4, 64]");
+  m.def("wo_nv_linear", &ascent_quant::wo_nv_linear,
+        "wo_nv_linear(x [...,K], packed, bits, N, K, scale [N,G], zero, scale_nv, zs_nv, bias) -> [...,N]");
   m.def("w8a8_dynamic_linear", &ascent_quant::w8a8_dynamic_linear,
         "w8a8_dynamic_linear(x [...,K], weight int8 [N,K], row_sum i32 [N], w_scale f32 [N], bias)");
   m.def("amx_int8_available", &ascent_quant::amx_int8_available, "amx_int8_available() -> AMX-INT8 usable");

@@ -122,7 +122,7 @@ class WeightOnlyLinear(QuantLinearScheme):
     def prepare_gemv(self, layer: nn.Module) -> WeightOnlyGemv | None:
         """Small-M kernel operands (``kernels.WeightOnlyGemv``), None when the kernels do not apply."""
         return prepare_wo_gemv(self.gemv_weight(layer), self.bits, self.input_size(layer), layer.wo_scale,
-                               layer.wo_zero)
+                               layer.wo_zero, getattr(layer, "params_dtype", None))
 
     def input_size(self, layer: nn.Module) -> int:
         """K of this partition (from the stored weight)."""

@@ -1,0 +1,193 @@
+"""The row-interleaved weight-only kernels (``cpu_kernels/quant_wo_nv.h``, ``quantization/wo_nv.py``) against the
+dequantize -> matmul reference, and W4A16's use of them.
+
+Tolerances as ``test_quant_gemv_kernels.py``: 16-bit outputs within 2 ulp of the output's max (x in 16-bit fixed
+point, integer dot products, fp32 scaling, one output rounding), fp32 x (the exact scalar rows) within 2e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascent.layers.cpu_kernels import quant_ops
+from ascent.layers.linear import ReplicatedLinear
+from ascent.quantization import kernels
+from ascent.quantization.base import QuantSpec
+from ascent.quantization.packing import pack_to_int32
+from ascent.quantization.wo_nv import NV_ENV, nv_rows, unpack_nibbles
+from tests.unit.quant.scheme_utils import SpecConfig, finish, load
+from tests.unit.test_quant_gemv_kernels import ULP, assert_close, gen, operands, ref_weight_only
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = quant_ops()
+    assert module is not None, "the CPU profile must build the quant kernels (a C++ compiler is a test requirement)"
+    return module
+
+
+def has_vnni(ops) -> bool:
+    return "vnni" in ops.isa()
+
+
+def nv_linear(ops, bits, x, q, scale, zero, bias):
+    n, k = q.shape
+    zs = None if zero is None else nv_rows(zero * scale, n)
+    return ops.wo_nv_linear(x, ops.wo_nv_pack(q, bits), bits, n, k, scale, zero, nv_rows(scale, n), zs, bias)
+
+
+def python_pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """The layout as the header states it, element by element (an independent construction)."""
+    n, k = q.shape
+    step_cols, offset = (8, 8) if bits == 4 else (4, 128)
+    npad, steps = -(-n // 64) * 64, -(-k // step_cols)
+    out = torch.zeros(npad // 64, steps, 4, 64, dtype=torch.int32)
+    for r in range(n):
+        for c in range(k):
+            s, within = divmod(c, step_cols)
+            lane = r % 64
+            shift = 4 if bits == 4 and within >= 4 else 0
+            out[r // 64, s, lane // 16, (lane % 16) * 4 + within % 4] += (int(q[r, c]) + offset) << shift
+    return out.to(torch.uint8)
+
+
+@pytest.mark.parametrize("bits,n,k", [(4, 70, 24), (4, 64, 13), (8, 130, 10), (8, 5, 4)])
+def test_pack_layout(ops, bits, n, k):
+    lo = -(1 << (bits - 1))
+    q = torch.randint(lo, -lo, (n, k), generator=gen(n + k), dtype=torch.int8)
+    assert torch.equal(ops.wo_nv_pack(q, bits), python_pack(q, bits))
+
+
+def test_unpack_nibbles_inverts_w4a16_pack(ops):
+    q = torch.randint(-8, 8, (9, 33), generator=gen(2), dtype=torch.int8)
+    assert torch.equal(unpack_nibbles(ops.w4a16_pack(q), 33), q)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+@pytest.mark.parametrize("bits,k,groups", [
+    (4, 576, 9), (4, 576, 1), (4, 2304, 1), (4, 100, 1), (4, 1536, 24), (4, 256, 8),
+    (8, 576, 1), (8, 600, 1), (8, 1000, 1), (8, 7, 1), (8, 200, 5), (8, 512, 16)])
+def test_kernel_matches_reference(ops, dtype, m, bits, k, groups):
+    """Per-group and per-channel scales (per-channel K above a flush span: int8 256, int4 2048 columns), K not a
+    multiple of a step, N not a multiple of 64, zero points and bias."""
+    x, q, scale, zero, bias = operands(m, k, 70, groups, bits, m * 100 + k + bits, dtype)
+    for z, b in ((None, None), (zero, bias), (None, bias)):
+        assert_close(nv_linear(ops, bits, x, q, scale, z, b), ref_weight_only(x, q, scale, z, b))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_outlier_activations(ops, bits, dtype):
+    """A few activations 300x the rest set the fixed point's step: still within one rounding of the output."""
+    x, q, scale, _, bias = operands(4, 576, 64, 9, bits, 77 + bits, dtype)
+    x[:, 5] = 300.0
+    x[1, 288] = -450.0
+    assert_close(nv_linear(ops, bits, x, q, scale, None, bias), ref_weight_only(x, q, scale, None, bias))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_do_not_depend_on_the_batch(ops, bits):
+    x, q, scale, zero, bias = operands(5, 576, 100, 9, bits, 3, torch.bfloat16)
+    x[2] *= 1000.0
+    batch = nv_linear(ops, bits, x, q, scale, zero, bias)
+    for i in range(5):
+        assert torch.equal(nv_linear(ops, bits, x[i : i + 1], q, scale, zero, bias), batch[i : i + 1])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_zero_and_non_finite_rows(ops, bits):
+    """An all-zero row gives exactly the bias; NaN / inf rows take the exact scalar path (IEEE propagation, as the
+    reference) and leave the other rows as they are."""
+    x, q, scale, _, bias = operands(4, 256, 12, 4, bits, 9, torch.bfloat16)
+    x[0] = 0.0
+    x[1, 7] = float("nan")
+    x[2, 3] = float("inf")
+    y = nv_linear(ops, bits, x, q, scale, None, bias)
+    assert torch.equal(y[0], bias)
+    assert torch.isnan(y[1]).all()
+    ref = ref_weight_only(x, q, scale, None, bias)
+    assert torch.equal(torch.isnan(y[2]), torch.isnan(ref[2])) and not torch.isfinite(y[2]).all()
+    assert torch.equal(y[3:], nv_linear(ops, bits, x[3:], q, scale, None, bias))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_portable_path(ops, bits):
+    """Without AVX512-VNNI (forced) every row takes the exact scalar path: same results within the tolerance."""
+    x, q, scale, zero, bias = operands(3, 200, 40, 5 if bits == 8 else 1, bits, 5, torch.bfloat16)
+    old = ops.set_force_generic(1)
+    try:
+        y = nv_linear(ops, bits, x, q, scale, zero, bias)
+    finally:
+        ops.set_force_generic(old)
+    assert_close(y, ref_weight_only(x, q, scale, zero, bias))
+
+
+def test_bad_inputs(ops):
+    x, q, scale, zero, _ = operands(1, 64, 8, 2, 8, 1, torch.bfloat16)
+    packed = ops.wo_nv_pack(q, 8)
+    snv = nv_rows(scale, 8)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        ops.wo_nv_pack(q, 3)
+    with pytest.raises(RuntimeError, match="outside"):
+        ops.wo_nv_pack(q * 0 + 9, 4)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        ops.wo_nv_linear(x, packed, 4, 8, 64, scale, None, snv, None, None)
+    with pytest.raises(RuntimeError, match="go together"):
+        ops.wo_nv_linear(x, packed, 8, 8, 64, scale, zero, snv, None, None)
+    with pytest.raises(RuntimeError, match="not a multiple"):
+        s6 = torch.rand(8, 32)
+        ops.wo_nv_linear(x, packed, 8, 8, 64, s6, None, nv_rows(s6, 8), None, None)
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.wo_nv_linear(x[:, :32], packed, 8, 8, 64, scale, None, snv, None, None)
+
+
+# ---- W4A16 on the layout -----------------------------------------------------------------------------------------
+
+N_OUT, K_IN = 96, 256
+
+
+def w4a16_layer(params_dtype: torch.dtype, symmetric: bool = True) -> torch.nn.Module:
+    g = gen(11)
+    q4 = torch.randint(-8, 8, (N_OUT, K_IN), generator=g, dtype=torch.int8)
+    ck = {"weight_packed": pack_to_int32(q4, 4, dim=1), "weight_scale": torch.rand(N_OUT, 4, generator=g) * 0.01,
+          "weight_shape": torch.tensor([[N_OUT, K_IN]])}
+    if not symmetric:
+        ck["weight_zero_point"] = pack_to_int32(torch.randint(-8, 8, (N_OUT, 4), generator=g, dtype=torch.int8), 4,
+                                                dim=0)
+    spec = QuantSpec("W4A16", weight_bits=4, weight_strategy="group", group_size=64, weight_symmetric=symmetric,
+                     source_format="compressed-tensors", extra={"format": "pack-quantized"})
+    layer = ReplicatedLinear(K_IN, N_OUT, bias=True, params_dtype=params_dtype, quant_config=SpecConfig(spec))
+    load(layer, ck)
+    layer.bias.data.copy_(torch.randn(N_OUT, generator=gen(12)))
+    return finish(layer)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_takes_the_layout(ops, monkeypatch, symmetric, dtype):
+    layer = w4a16_layer(dtype, symmetric)
+    nv = layer.wo_gemv.nv
+    assert (nv is not None) == has_vnni(ops)
+    if nv is not None:
+        assert layer.wo_packed is None  # the int4pack copy is dropped: the kernels take its M range
+        kind, tensors, ints = layer.quant_method.scheme.decode_stack_call(layer)
+        assert kind == kernels.STACK_KIND_WO_NV and ints == [4, N_OUT, K_IN] and len(tensors) == 6
+    for m in range(1, layer.wo_gemv.max_m + 1):
+        x = torch.randn(m, K_IN, generator=gen(m)).to(dtype)
+        assert_close(layer(x), layer.quant_method.apply_reference(layer, x, layer.bias))
+    monkeypatch.setenv(NV_ENV, "0")
+    row_layout = w4a16_layer(dtype, symmetric)
+    assert row_layout.wo_gemv.nv is None and row_layout.wo_packed is not None
+    x = torch.randn(2, K_IN, generator=gen(7)).to(dtype)
+    assert (layer(x).float() - row_layout(x).float()).abs().max() <= 4 * ULP[dtype] * row_layout(x).float().abs().max()
+
+
+def test_fp32_models_and_w8a16_keep_the_row_layout(ops):
+    assert w4a16_layer(torch.float32).wo_gemv.nv is None
+    q8 = torch.randint(-128, 128, (N_OUT, K_IN), generator=gen(3), dtype=torch.int8)
+    layer = ReplicatedLinear(K_IN, N_OUT, bias=False, params_dtype=torch.bfloat16,
+                             quant_config=SpecConfig(QuantSpec("W8A16")))
+    load(layer, {"weight": q8, "weight_scale": torch.rand(N_OUT, 1, generator=gen(4)) * 0.01})
+    assert finish(layer).wo_gemv.nv is None
