@@ -157,6 +157,21 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_nv_super
   }
 }
 
+// 64 fp32 values -> bf16, rounded to nearest even as c10::BFloat16 (a vector holding a NaN goes element-wise).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void store_bf16_rows(const float* y, uint16_t* dst) {
+  for (int b = 0; b < 4; ++b) {
+    const __m512 v = _mm512_loadu_ps(y + 16 * b);
+    if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) {
+      for (int i = 0; i < 16; ++i) dst[16 * b + i] = c10::BFloat16(y[16 * b + i]).x;
+      continue;
+    }
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * b), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  }
+}
+
 // body(begin, end) over super-blocks [0, n) in 2 chunks per thread of equal size (+-1 super-block), handed out
 // dynamically: a chunk count that is a multiple of the threads keeps a small matrix balanced (9 super-blocks in
 // chunks of 3 would leave one of 2 threads idle a third of the call).
@@ -183,16 +198,22 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void wo_nv_split_row(const 
 // One x row as fp32 (exact widening of bf16 / fp16; fp32 copied) and its max |x| (NaN / inf: non-finite).
 float wo_nv_row_to_float(const at::Tensor& x, int64_t m, int64_t k, float* xf) {
   const int64_t ld = x.stride(0);
+  if (x.scalar_type() == at::kBFloat16 && use_avx512()) {  // the decode hot path: vectorised
+    const uint16_t* row = reinterpret_cast<const uint16_t*>(x.data_ptr()) + m * ld;
+    bf16_row_to_float(row, k, xf);
+    return bf16_row_amax(row, k);
+  }
   float amax = 0.f;
+  bool nan = false;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "wo_nv_row", [&] {
     const scalar_t* p = x.data_ptr<scalar_t>() + m * ld;
     for (int64_t j = 0; j < k; ++j) {
       xf[j] = static_cast<float>(p[j]);
-      amax = std::isnan(xf[j]) ? xf[j] : std::max(amax, std::fabs(xf[j]));
-      if (std::isnan(amax)) break;
+      nan = nan || std::isnan(xf[j]);
+      amax = std::max(amax, std::fabs(xf[j]));
     }
   });
-  return amax;
+  return nan ? std::numeric_limits<float>::quiet_NaN() : amax;
 }
 
 // x rows -> the kernels' x operands. Rows that are not 16-bit fixed-point material (fp32 x, a NaN / inf) are listed
@@ -321,9 +342,14 @@ at::Tensor wo_nv_linear_impl(const at::Tensor& x, const at::Tensor& packed, int6
           else (mb == 2 ? wo_nv_superblock<8, 2> : wo_nv_superblock<8, 1>)(a, sb, m0, acc);
           for (int64_t m = 0; m < mb; ++m) {
             if (exact[m0 + m]) continue;
-            for (int64_t r = 0; r < kNvRows && sb * kNvRows + r < n; ++r) {
-              const int64_t row = sb * kNvRows + r;
-              store(m0 + m, row, acc[m * kNvRows + r] + (bv.empty() ? 0.f : bv[row]));
+            const int64_t row0 = sb * kNvRows, rows = std::min(kNvRows, n - row0);
+            float* y = acc + m * kNvRows;
+            if (!bv.empty())
+              for (int64_t r = 0; r < rows; ++r) y[r] += bv[row0 + r];
+            if (out.scalar_type() == at::kBFloat16 && rows == kNvRows) {
+              store_bf16_rows(y, static_cast<uint16_t*>(out.data_ptr()) + (m0 + m) * n + row0);
+            } else {
+              for (int64_t r = 0; r < rows; ++r) store(m0 + m, row0 + r, y[r]);
             }
           }
         }
