@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ascent.layers.cpu_packing import pack_linear_weight, packed_linear
 from ascent.platform.ops_utils import symmetric_quant
-from ascent.quantization.wo_nv import NvLayout, nv_applies, prepare_nv, unpack_nibbles
+from ascent.quantization.wo_nv import NvLayout, int8_nv_applies, nv_applies, prepare_nv, unpack_nibbles
 
 REFERENCE_ENV = "ASCENT_QUANT_REFERENCE"
 # Weight-only packed kernels vs the dequantize-once dense weight (bf16, oneDNN-packed), measured once on this
@@ -52,6 +52,11 @@ INT4PACK_GROUP_SIZES = (256, 128, 64, 32)
 #   M=3: 13.2 | 7.6 | 6.3 vs 8.8;  M=4: 13.2 | 8.1 | 7.0 vs 9.7;  M=8: 13.0 | 13.9 | 12.6 vs 14.9.
 # Crossovers: W8A16 4, W4A16 4 (a verification step of a few drafts stays on the kernels).
 INT8_GEMV_MAX_M = 16
+# W8A8 dynamic on the row-interleaved layout (quant_int8_nv.h), same 30 layers, Zen 4 (AVX512-VNNI, no AMX), 2
+# threads, bf16 x, interleaved minima, ms (row-layout kernel | row-interleaved | quantize + _int_mm):
+#   M=1: 5.55 | 4.66 | 17.2;  M=4: 7.97 | 6.54 | 19.8;  M=16: 23.2 | 14.0 | 31.8;  M=32: 44.8 | 25.9 | 48.3;
+#   M=64: 99.4 | 59.8 | 63.2.
+INT8_NV_MAX_M = 48
 # W8A8 dynamic on AMX-INT8 tiles (quant_amx_int8.h; bit-identical to the VNNI kernel), same 30 layers, 2 threads,
 # bf16 x, interleaved medians, ms (VNNI kernel | AMX-INT8 | quantize + _int_mm):
 #   M=1: 5.6 | 4.9 | 15.8;  M=4: 6.8 | 5.2 | 17.6;  M=16: 15.8 | 6.6 | 20.6;  M=32: 26.8 | 8.5 | 26.4;
@@ -83,6 +88,9 @@ STACK_KIND_W8A8_STATIC = 7
 #     scale, zero?, scale_nv, zero_scale_nv?, bias?)  tensors [packed, scale, zero, scale_nv, zero_scale_nv, bias],
 #     ints [bits, N, K]
 STACK_KIND_WO_NV = 8
+#   9 W8A8 dynamic on the row-interleaved layout: ascent_quant::w8a8_dynamic_linear_nv(x, packed, row_sum, w_scale,
+#     bias?)                                                  tensors [packed, row_sum, w_scale, bias]
+STACK_KIND_W8A8_DYNAMIC_NV = 9
 StackSpec = tuple[int, list[torch.Tensor], list[int]]
 
 
@@ -264,20 +272,30 @@ def gemv_fits(x: torch.Tensor, max_m: int) -> bool:
 
 @dataclass
 class Int8Gemv:
-    """Operands of the W8A8 small-M kernels: ``weight`` int8 [N, K] (row-major), ``row_sum`` int32 [N]."""
+    """Operands of the W8A8 small-M kernels: ``weight`` int8 [N, K] (row-major), ``row_sum`` int32 [N]; ``nv`` the
+    row-interleaved copy (``wo_nv_pack(weight, 8, offset=0)``, W8A8 dynamic on AVX512-VNNI CPUs without AMX-INT8; a
+    second copy of the weight, counted by ``cpu_packing.limit_dual_layouts``) or None."""
 
     ops: ModuleType
     weight: torch.Tensor
     row_sum: torch.Tensor
+    nv: torch.Tensor | None = None
+
+    @property
+    def max_m(self) -> int:
+        """Largest M the kernel takes (:data:`INT8_NV_MAX_M` on the row-interleaved copy)."""
+        return INT8_NV_MAX_M if self.nv is not None else INT8_GEMV_MAX_M
 
 
-def prepare_int8_gemv(weight: torch.Tensor) -> Int8Gemv | None:
-    """Int8 ``weight [N, K]`` -> kernel operands (no copy of a contiguous weight), None when not applicable."""
+def prepare_int8_gemv(weight: torch.Tensor, nv: bool = False) -> Int8Gemv | None:
+    """Int8 ``weight [N, K]`` -> kernel operands (no copy of a contiguous weight), None when not applicable. ``nv``:
+    add the row-interleaved copy where the CPU has AVX512-VNNI (and ``ASCENT_QUANT_NV`` is not 0)."""
     ops = gemv_module(weight)
     if ops is None or weight.dim() != 2 or weight.shape[1] > 65536:
         return None
     w = weight.contiguous()
-    return Int8Gemv(ops, w, w.sum(dim=1, dtype=torch.int32))
+    packed = ops.wo_nv_pack(w, 8, 0) if nv and int8_nv_applies(ops) else None
+    return Int8Gemv(ops, w, w.sum(dim=1, dtype=torch.int32), packed)
 
 
 @dataclass
@@ -337,7 +355,9 @@ def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 def int8_dynamic_stack_spec(g: Int8Gemv, w_scale: torch.Tensor, bias: torch.Tensor | None) -> StackSpec:
-    """The decode-stack call of a W8A8 dynamic linear (see :data:`STACK_KIND_W8A8_DYNAMIC`)."""
+    """The decode-stack call of a W8A8 dynamic linear (see :data:`STACK_KIND_W8A8_DYNAMIC` / ``_NV``)."""
+    if g.nv is not None:
+        return STACK_KIND_W8A8_DYNAMIC_NV, [g.nv, g.row_sum, w_scale, _or_empty(bias, w_scale)], []
     return STACK_KIND_W8A8_DYNAMIC, [g.weight, g.row_sum, w_scale, _or_empty(bias, w_scale)], []
 
 
@@ -353,6 +373,8 @@ def int8_gemv_dynamic(g: Int8Gemv, x: torch.Tensor, w_scale: torch.Tensor, bias:
                       ) -> torch.Tensor:
     """:func:`int8_linear_dynamic` (bit-identical) on the kernel: ``x [..., K]``, ``w_scale`` fp32 [N] -> x's dtype
     ``[..., N]``."""
+    if g.nv is not None:
+        return g.ops.w8a8_dynamic_linear_nv(x, g.nv, g.row_sum, w_scale, bias)
     return g.ops.w8a8_dynamic_linear(x, g.weight, g.row_sum, w_scale, bias)
 
 

@@ -10,7 +10,9 @@ Cache-resident the new layout is 1.4-2.5x faster (W4A16) and 1.2-1.7x (W8A16): a
 by the memory system, not by these instructions. W8A16 keeps the row layout (its checkpoint tensor, no extra copy:
 the new layout would double the int8 bytes for at most a few % at M = 1); W4A16 takes this one on VNNI CPUs with a
 16-bit model (its row layout reads the checkpoint's bytes in place and the int4pack copy is dropped, so memory is
-unchanged). ``ASCENT_QUANT_NV=0`` (read at load) keeps the row layout.
+unchanged). W8A8 dynamic (``quant_int8_nv.h``, signed weight bytes, bit-identical to the row kernel) adds the layout
+as a second copy on VNNI CPUs without AMX-INT8, for M up to ``kernels.INT8_NV_MAX_M`` (1.2x the row kernel at M=1,
+1.7x at M=16, 1.9x quantize + ``_int_mm`` at M=32). ``ASCENT_QUANT_NV=0`` (read at load) keeps the row layouts.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ def nv_applies(ops: ModuleType, bits: int, k: int, groups: int, dtype: torch.dty
     step = 8 if bits == 4 else 4
     return (bits in NV_BITS and dtype in (torch.bfloat16, torch.float16) and "vnni" in ops.isa()
             and (groups == 1 or (k // groups) % step == 0) and os.environ.get(NV_ENV, "1") != "0")
+
+
+def int8_nv_applies(ops: ModuleType) -> bool:
+    """Whether W8A8 dynamic adds its row-interleaved copy (``quant_int8_nv.h``): AVX512-VNNI and ``ASCENT_QUANT_NV``
+    not 0 (the caller leaves CPUs with AMX-INT8 to their tile kernels)."""
+    return "vnni" in ops.isa() and os.environ.get(NV_ENV, "1") != "0"
 
 
 def nv_rows(t: torch.Tensor, n: int) -> torch.Tensor:

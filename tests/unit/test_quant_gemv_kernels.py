@@ -301,6 +301,12 @@ def run_stack_spec(ops, spec, x: torch.Tensor) -> torch.Tensor:
     if kind == kernels.STACK_KIND_W8A8_DYNAMIC:
         w, rs, ws, b = tensors
         return ops.w8a8_dynamic_linear(x, w, rs, ws, opt(b))
+    if kind == kernels.STACK_KIND_W8A8_DYNAMIC_NV:
+        wp, rs, ws, b = tensors
+        return ops.w8a8_dynamic_linear_nv(x, wp, rs, ws, opt(b))
+    if kind == kernels.STACK_KIND_WO_NV:
+        wp, scale, zero, snv, zsnv, b = tensors
+        return ops.wo_nv_linear(x, wp, ints[0], ints[1], ints[2], scale, opt(zero), snv, opt(zsnv), opt(b))
     if kind == kernels.STACK_KIND_W8A8_DYNAMIC_AMX:
         wp, ws, b, _ = tensors
         return ops.w8a8_dynamic_linear_amx(x, wp, ws, opt(b))

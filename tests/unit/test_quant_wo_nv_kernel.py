@@ -37,10 +37,11 @@ def nv_linear(ops, bits, x, q, scale, zero, bias):
     return ops.wo_nv_linear(x, ops.wo_nv_pack(q, bits), bits, n, k, scale, zero, nv_rows(scale, n), zs, bias)
 
 
-def python_pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+def python_pack(q: torch.Tensor, bits: int, offset: int | None = None) -> torch.Tensor:
     """The layout as the header states it, element by element (an independent construction)."""
     n, k = q.shape
-    step_cols, offset = (8, 8) if bits == 4 else (4, 128)
+    step_cols = 8 if bits == 4 else 4
+    offset = (8 if bits == 4 else 128) if offset is None else offset
     npad, steps = -(-n // 64) * 64, -(-k // step_cols)
     out = torch.zeros(npad // 64, steps, 4, 64, dtype=torch.int32)
     for r in range(n):
@@ -48,7 +49,7 @@ def python_pack(q: torch.Tensor, bits: int) -> torch.Tensor:
             s, within = divmod(c, step_cols)
             lane = r % 64
             shift = 4 if bits == 4 and within >= 4 else 0
-            out[r // 64, s, lane // 16, (lane % 16) * 4 + within % 4] += (int(q[r, c]) + offset) << shift
+            out[r // 64, s, lane // 16, (lane % 16) * 4 + within % 4] += ((int(q[r, c]) + offset) & 255) << shift
     return out.to(torch.uint8)
 
 
@@ -191,3 +192,74 @@ def test_fp32_models_and_w8a16_keep_the_row_layout(ops):
                              quant_config=SpecConfig(QuantSpec("W8A16")))
     load(layer, {"weight": q8, "weight_scale": torch.rand(N_OUT, 1, generator=gen(4)) * 0.01})
     assert finish(layer).wo_gemv.nv is None
+
+
+# ---- W8A8 dynamic on the layout (signed weight bytes) --------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k", [(70, 24), (5, 13)])
+def test_signed_pack_layout(ops, n, k):
+    """offset 0 (W8A8): each weight byte is q's two's complement; padding stays 0."""
+    q = torch.randint(-128, 128, (n, k), generator=gen(n * k), dtype=torch.int8)
+    assert torch.equal(ops.wo_nv_pack(q, 8, 0), python_pack(q, 8, offset=0))
+    with pytest.raises(RuntimeError, match="offset"):
+        ops.wo_nv_pack(q.clamp(-8, 7), 4, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 17, 48])
+@pytest.mark.parametrize("k", [576, 1000, 7])
+def test_w8a8_dynamic_nv_bit_identical(ops, dtype, m, k):
+    """The same quantization and epilogue as the row kernel (itself bit-identical to ``int8_linear_dynamic``)."""
+    if not has_vnni(ops):
+        pytest.skip("the W8A8 row-interleaved kernel needs AVX512-VNNI")
+    g = gen(m * k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    q = torch.randint(-128, 128, (70, k), generator=g, dtype=torch.int8)
+    row_sum, w_scale = q.sum(1, dtype=torch.int32), torch.rand(70, generator=g) * 0.01
+    bias = torch.randn(70, generator=g).to(dtype)
+    packed = ops.wo_nv_pack(q, 8, 0)
+    for b in (None, bias):
+        expected = kernels.int8_linear_dynamic(x, q.t(), w_scale, b)
+        assert torch.equal(ops.w8a8_dynamic_linear_nv(x, packed, row_sum, w_scale, b), expected)
+
+
+def w8a8_layer(params_dtype: torch.dtype) -> torch.nn.Module:
+    g = gen(21)
+    ck = {"weight": torch.randint(-128, 128, (N_OUT, K_IN), generator=g, dtype=torch.int8),
+          "weight_scale": torch.rand(N_OUT, 1, generator=g) * 0.01}
+    layer = ReplicatedLinear(K_IN, N_OUT, bias=True, params_dtype=params_dtype,
+                             quant_config=SpecConfig(QuantSpec("W8A8_DYNAMIC")))
+    load(layer, ck)
+    layer.bias.data.copy_(torch.randn(N_OUT, generator=gen(22)))
+    return finish(layer)
+
+
+def test_w8a8_dynamic_takes_the_layout(ops, monkeypatch):
+    layer = w8a8_layer(torch.bfloat16)
+    gemv = layer.w8a8_gemv
+    assert (gemv.nv is not None) == (has_vnni(ops) and layer.w8a8_amx is None)
+    if gemv.nv is None:
+        pytest.skip("no row-interleaved copy on this CPU")
+    assert gemv.max_m == kernels.INT8_NV_MAX_M
+    kind, tensors, _ = layer.quant_method.scheme.decode_stack_call(layer)
+    assert kind == kernels.STACK_KIND_W8A8_DYNAMIC_NV and tensors[0] is gemv.nv
+    for m in (1, 7, kernels.INT8_NV_MAX_M):
+        x = torch.randn(m, K_IN, generator=gen(m)).bfloat16()
+        assert torch.equal(layer(x), kernels.int8_linear_dynamic(x, layer.w8a8_w_t, layer.w8a8_ws, layer.bias))
+    monkeypatch.setenv(NV_ENV, "0")
+    assert w8a8_layer(torch.bfloat16).w8a8_gemv.nv is None
+
+
+def test_dual_layout_budget_releases_the_w8a8_copy(ops):
+    from ascent.layers.cpu_packing import limit_dual_layouts
+
+    layer = w8a8_layer(torch.bfloat16)
+    if layer.w8a8_gemv.nv is None:
+        pytest.skip("no row-interleaved copy on this CPU")
+    model = torch.nn.Sequential(layer)
+    assert limit_dual_layouts(model, budget_bytes=1 << 30) >= layer.w8a8_gemv.nv.numel()
+    x = torch.randn(3, K_IN, generator=gen(5)).bfloat16()
+    before = layer(x)
+    assert limit_dual_layouts(model, budget_bytes=0) == 0
+    assert layer.w8a8_gemv.nv is None and layer.w8a8_gemv.max_m == kernels.INT8_GEMV_MAX_M
+    assert torch.equal(layer(x), before)

@@ -397,6 +397,7 @@ const int32_t* quant_bias_of(const c10::optional<at::Tensor>& quant_bias, int64_
 }
 
 #include "quant_amx_ops.h"
+#include "quant_int8_nv.h"
 
 // Static W8A8: q_x = clamp(nearbyint(x / s_x + z_x)), y = (q_x . W_q + quant_bias[n]) * deq[n] (+ bias).
 at::Tensor w8a8_static_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& row_sum,
@@ -465,7 +466,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a16_pack", &ascent_quant::w4a16_pack, "w4a16_pack(q int8 [N,K] in [-8,7]) -> uint8 [N, ceil(K/2)]");
   m.def("w4a16_linear", &ascent_quant::w4a16_linear,
         "w4a16_linear(x [...,K], packed uint8, K, scale f32 [N,G], zero, bias) -> [...,N]");
-  m.def("wo_nv_pack", &ascent_quant::wo_nv_pack, "wo_nv_pack(q int8 [N,K], bits) -> uint8 [Npad/64, K steps, 4, 64]");
+  m.def("wo_nv_pack", &ascent_quant::wo_nv_pack, "wo_nv_pack(q int8 [N,K], bits, offset=-1) -> uint8 [Npad/64, "
+        "K steps, 4, 64]", py::arg("q"), py::arg("bits"), py::arg("offset") = -1);
+  m.def("w8a8_dynamic_linear_nv", &ascent_quant::w8a8_dynamic_linear_nv,
+        "w8a8_dynamic_linear_nv(x [...,K], packed (offset 0), row_sum i32 [N], w_scale f32 [N], bias) -> [...,N]");
   m.def("wo_nv_linear", &ascent_quant::wo_nv_linear,
         "wo_nv_linear(x [...,K], packed, bits, N, K, scale [N,G], zero, scale_nv, zs_nv, bias) -> [...,N]");
   m.def("w8a8_dynamic_linear", &ascent_quant::w8a8_dynamic_linear,

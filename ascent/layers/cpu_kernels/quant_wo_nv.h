@@ -33,9 +33,11 @@ struct NvGeometry {
 
 int64_t nv_padded(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
-// q int8 [N, K] -> uint8 [Npad / 64, K steps, 4, 64] (file header).
-at::Tensor wo_nv_pack(const at::Tensor& q, int64_t bits) {
+// q int8 [N, K] -> uint8 [Npad / 64, K steps, 4, 64] (file header); offset -1: the weight-only offset of `bits`
+// (unsigned bytes), 0: signed weight bytes (the W8A8 kernels, bits 8).
+at::Tensor wo_nv_pack(const at::Tensor& q, int64_t bits, int64_t offset) {
   TORCH_CHECK(bits == 4 || bits == 8, "wo_nv_pack: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(offset == -1 || (offset == 0 && bits == 8), "wo_nv_pack: offset must be -1, or 0 with bits 8");
   TORCH_CHECK(q.device().is_cpu() && q.is_contiguous() && q.dim() == 2 && q.scalar_type() == at::kChar,
               "wo_nv_pack: q must be a contiguous int8 [N, K] CPU tensor");
   const int64_t n = q.size(0), k = q.size(1), step_cols = bits == 4 ? 8 : 4;
@@ -43,7 +45,7 @@ at::Tensor wo_nv_pack(const at::Tensor& q, int64_t bits) {
   auto out = at::zeros({npad / kNvRows, steps, 4, 64}, q.options().dtype(at::kByte));
   const int8_t* src = q.data_ptr<int8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int32_t offset = bits == 4 ? 8 : 128;
+  const int32_t add = offset == 0 ? 0 : (bits == 4 ? 8 : 128);
   for (int64_t r = 0; r < n; ++r) {
     const int64_t sb = r / kNvRows, lane = r % kNvRows;  // vector lane / 16, dword lane % 16
     for (int64_t c = 0; c < k; ++c) {
@@ -51,7 +53,7 @@ at::Tensor wo_nv_pack(const at::Tensor& q, int64_t bits) {
       TORCH_CHECK(bits == 8 || (v >= -8 && v <= 7), "wo_nv_pack: int4 value ", v, " outside [-8, 7]");
       const int64_t s = c / step_cols, within = c % step_cols;
       uint8_t& byte = dst[((sb * steps + s) * 4 + lane / 16) * 64 + (lane % 16) * 4 + within % 4];
-      byte |= static_cast<uint8_t>((v + offset) << (bits == 4 && within >= 4 ? 4 : 0));
+      byte |= static_cast<uint8_t>((v + add) << (bits == 4 && within >= 4 ? 4 : 0));
     }
   }
   return out;

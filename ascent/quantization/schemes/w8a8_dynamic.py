@@ -4,7 +4,8 @@ Checkpoint: ``weight`` int8 [N, K], ``weight_scale`` [N, 1] (+ ModelSlim ``weigh
 all zero — verified at load, spec §11.10). Forward: ``s_x[m] = max_k |x[m, k]| / 127``,
 ``xq = clamp(rint(x / s_x), -128, 127)``, ``y = (xq @ Wq^T) * s_x[m] * s_w[n] + b``. CPU with AMX-INT8 (M <=
 ``INT8_AMX_MAX_M``): the fused quantize + AMX tile kernel on a repacked copy of the weight; else decode (M <=
-``INT8_GEMV_MAX_M``): the fused quantize + VNNI kernel; both bit-identical to ``int8_linear_dynamic``.
+``Int8Gemv.max_m``): the fused quantize + VNNI kernel (on a row-interleaved copy where the CPU has AVX512-VNNI,
+``quantization/wo_nv.py``); all bit-identical to ``int8_linear_dynamic``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
 from ascent.quantization.kernels import (
-    INT8_AMX_MAX_M, INT8_GEMV_MAX_M, StackSpec, gemv_fits, int8_dynamic_stack_spec, int8_gemv_dynamic,
+    INT8_AMX_MAX_M, StackSpec, gemv_fits, int8_dynamic_stack_spec, int8_gemv_dynamic,
     int8_linear_dynamic, prepare_int8_amx, prepare_int8_gemv, quantize_per_token_int8,
 )
 from ascent.quantization.registry import register_scheme
@@ -39,8 +40,8 @@ def attach_int8_dynamic(layer: nn.Module, weight: torch.Tensor, weight_scale: to
     per-channel scales and per-token activation quantization takes them (W8A8 dynamic, per-channel W4A8)."""
     layer.w8a8_w_t = weight.t()
     layer.w8a8_ws = weight_scale.float().reshape(-1).contiguous()
-    layer.w8a8_gemv = prepare_int8_gemv(weight)
     layer.w8a8_amx = prepare_int8_amx(weight)
+    layer.w8a8_gemv = prepare_int8_gemv(weight, nv=layer.w8a8_amx is None)
 
 
 def apply_int8_dynamic(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -50,7 +51,7 @@ def apply_int8_dynamic(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | N
     if amx is not None and gemv_fits(x, INT8_AMX_MAX_M):
         return amx.linear(x, layer.w8a8_ws, bias)
     gemv = getattr(layer, "w8a8_gemv", None)
-    if gemv is not None and gemv_fits(x, INT8_GEMV_MAX_M):
+    if gemv is not None and gemv_fits(x, gemv.max_m):
         return int8_gemv_dynamic(gemv, x, layer.w8a8_ws, bias)
     return int8_linear_dynamic(x, layer.w8a8_w_t, layer.w8a8_ws, bias)
 

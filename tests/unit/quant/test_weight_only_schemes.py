@@ -154,7 +154,8 @@ def test_w4a8_channel_scales_take_the_w8a8_dynamic_kernels(group, monkeypatch):
         return
     assert layer.w8a8_gemv is not None and layer.w8a8_gemv.weight.data_ptr() == layer.w4a8_q.data_ptr()
     amx = layer.w8a8_amx
-    assert stack[0] == (kernels.STACK_KIND_W8A8_DYNAMIC if amx is None else kernels.STACK_KIND_W8A8_DYNAMIC_AMX)
+    small_m = kernels.STACK_KIND_W8A8_DYNAMIC if layer.w8a8_gemv.nv is None else kernels.STACK_KIND_W8A8_DYNAMIC_NV
+    assert stack[0] == (small_m if amx is None else kernels.STACK_KIND_W8A8_DYNAMIC_AMX)
     xs = [t(gaussian((m, K), 23 + m)).bfloat16() for m in (1, 3)]
     wants = [kernels.int8_linear_dynamic(x, layer.w4a8_q.t(), layer.w4a8_ws.reshape(-1), layer.bias) for x in xs]
 

@@ -1,0 +1,83 @@
+// W8A8 kernels on the row-interleaved layout of quant_wo_nv.h, with signed weight bytes (wo_nv_pack with offset 0):
+// one VPDPBUSD per 16 output rows and 4 columns, x's quantized bytes (u = q + 128, quantize_rows_*) broadcast.
+// acc = sum u w - 128 row_sum(w) = sum q w exactly (|acc| < 2^31 for K <= 65536), then the same per-element epilogue
+// as the row-layout kernels (int8_linear), so the results are bit-identical to kernels.int8_linear_dynamic / static.
+// Included by quant_gemv_cpu.cpp in namespace ascent_quant after quantize_rows_dynamic / _static.
+#pragma once
+
+constexpr int64_t kNvInt8MaxMB = 4;  // x rows per pass over a super-block (16 int32 accumulators)
+
+// acc[m][64] for x rows m0 .. m0 + MB - 1 and super-block sb (before the row-sum correction).
+template <int MB>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void int8_nv_superblock(
+    const uint8_t* w, int64_t steps, const uint8_t* xq, int64_t ldx, int64_t m0, int64_t sb, int32_t* acc) {
+  const uint8_t* p = w + sb * steps * kNvStepBytes;
+  __m512i a[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int b = 0; b < 4; ++b) a[m][b] = _mm512_setzero_si512();
+  for (int64_t s = 0; s < steps; ++s, p += kNvStepBytes) {
+    for (int b = 0; b < 4; ++b) _mm_prefetch(reinterpret_cast<const char*>(p + kNvPrefetchBytes + 64 * b), _MM_HINT_T2);
+    __m512i v[4];
+    for (int b = 0; b < 4; ++b) v[b] = _mm512_loadu_si512(p + 64 * b);
+    for (int m = 0; m < MB; ++m) {
+      int32_t x4;
+      std::memcpy(&x4, xq + (m0 + m) * ldx + 4 * s, 4);
+      const __m512i xb = _mm512_set1_epi32(x4);
+      for (int b = 0; b < 4; ++b) a[m][b] = _mm512_dpbusd_epi32(a[m][b], xb, v[b]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int b = 0; b < 4; ++b) _mm512_storeu_si512(acc + m * kNvRows + 16 * b, a[m][b]);
+}
+
+using Int8NvFn = void (*)(const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int32_t*);
+
+// y [M, N] = epi(m, n, x_q . W_q) on the packed signed layout; xq [M, ldx] as quantize_rows_*(vnni = true) gives.
+template <typename Epilogue>
+at::Tensor int8_nv_linear(const at::Tensor& x, const std::vector<uint8_t>& xq, int64_t ldx, const at::Tensor& packed,
+                          int64_t n, int64_t k, const int32_t* row_sum, Epilogue epi) {
+  const int64_t m_rows = x.size(0), npad = nv_padded(n, kNvRows), steps = nv_padded(k, 4) / 4;
+  TORCH_CHECK(use_vnni(), "int8 NV kernels need AVX512-VNNI");
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  packed.numel() == npad / kNvRows * steps * kNvStepBytes && ldx >= 4 * steps,
+              "packed must be a contiguous uint8 [", npad / kNvRows, ", ", steps, ", 4, 64]");
+  static const Int8NvFn fns[kNvInt8MaxMB] = {int8_nv_superblock<1>, int8_nv_superblock<2>, int8_nv_superblock<3>,
+                                             int8_nv_superblock<4>};
+  auto out = at::empty({m_rows, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const Store store{out.data_ptr(), out.scalar_type(), n};
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  parallel_blocks(npad / kNvRows, [&](int64_t begin, int64_t end) {
+    int32_t acc[kNvInt8MaxMB * kNvRows];
+    for (int64_t sb = begin; sb < end; ++sb)
+      for (int64_t m0 = 0; m0 < m_rows; m0 += kNvInt8MaxMB) {
+        const int64_t mb = std::min(kNvInt8MaxMB, m_rows - m0);
+        fns[mb - 1](w, steps, xq.data(), ldx, m0, sb, acc);
+        for (int64_t m = 0; m < mb; ++m)
+          for (int64_t r = 0; r < kNvRows && sb * kNvRows + r < n; ++r) {
+            const int64_t row = sb * kNvRows + r;
+            store(m0 + m, row, epi(m0 + m, row, acc[m * kNvRows + r] - 128 * row_sum[row]));
+          }
+      }
+  });
+  return out;
+}
+
+// Dynamic W8A8 on the layout: bit-identical to w8a8_dynamic_linear (packed = wo_nv_pack(W, 8, offset 0)).
+at::Tensor w8a8_dynamic_linear_nv(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& row_sum,
+                                  const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
+  const int64_t n = row_sum.numel(), k = x_in.size(-1), ldx = (k + 63) / 64 * 64;
+  TORCH_CHECK(k > 0 && k <= kMaxK, "K must be in [1, ", kMaxK, "], got ", k);
+  check_vec(row_sum, "row_sum", n, at::kInt);
+  check_vec(w_scale, "w_scale", n, at::kFloat);
+  const at::Tensor x = rows_of(x_in, k);
+  std::vector<uint8_t> xq;
+  std::vector<float> sx;
+  quantize_rows_dynamic(x, k, ldx, /*vnni=*/true, xq, sx);
+  const std::vector<float> b = float_bias(bias, n);
+  const float* ws = w_scale.data_ptr<float>();
+  return like_x(int8_nv_linear(x, xq, ldx, packed, n, k, row_sum.data_ptr<int32_t>(), [&](int64_t m, int64_t j,
+                                                                                           int32_t acc) {
+    const float y = static_cast<float>(acc) * sx[m] * ws[j];
+    return b.empty() ? y : y + b[j];
+  }), x_in);
+}
