@@ -179,7 +179,8 @@ INT8_AMX_COPIES = ("w8a8_amx", "wo_amx")
 def limit_dual_layouts(model: nn.Module, budget_bytes: int | None = None) -> int:
     """After loading: if the second copies kept beside oneDNN-packed weights (plain rows for the small-M kernel,
     ``layer.small_m_ops`` set; AMX tiles, ``layer.amx_weight``) and beside int8 weights (AMX-INT8 tiles,
-    ``INT8_AMX_COPIES``; W8A8's row-interleaved copy, ``layer.w8a8_gemv.nv``) exceed the budget, release them all so the model costs no more memory than packed-only.
+    ``INT8_AMX_COPIES``; W8A8's row-interleaved copy, ``layer.w8a8_gemv.nv``) exceed the budget, release them all so
+    the model costs no more memory than packed-only.
     Returns the bytes kept."""
     packed = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
     plain = [m for m in packed

@@ -91,6 +91,9 @@ STACK_KIND_WO_NV = 8
 #   9 W8A8 dynamic on the row-interleaved layout: ascent_quant::w8a8_dynamic_linear_nv(x, packed, row_sum, w_scale,
 #     bias?)                                                  tensors [packed, row_sum, w_scale, bias]
 STACK_KIND_W8A8_DYNAMIC_NV = 9
+#  10 W8A8 static on the row-interleaved layout: ascent_quant::w8a8_static_linear_nv, kind 7's operands with the
+#     packed weight first
+STACK_KIND_W8A8_STATIC_NV = 10
 StackSpec = tuple[int, list[torch.Tensor], list[int]]
 
 
@@ -365,6 +368,9 @@ def int8_static_stack_spec(g: Int8Gemv, input_scale: float, input_offset: float,
                            quant_bias: torch.Tensor | None, bias: torch.Tensor | None) -> StackSpec:
     """The decode-stack call of a static W8A8 linear on the small-M kernel (:data:`STACK_KIND_W8A8_STATIC`)."""
     scale_offset = torch.tensor([float(input_scale), float(input_offset)], dtype=torch.float32)
+    if g.nv is not None:
+        return STACK_KIND_W8A8_STATIC_NV, [g.nv, g.row_sum, deq_scale, _or_empty(quant_bias, deq_scale),
+                                           _or_empty(bias, deq_scale), scale_offset], []
     return STACK_KIND_W8A8_STATIC, [g.weight, g.row_sum, deq_scale, _or_empty(quant_bias, deq_scale),
                                     _or_empty(bias, deq_scale), scale_offset], []
 
@@ -383,6 +389,9 @@ def int8_gemv_static(g: Int8Gemv, x: torch.Tensor, input_scale: float, input_off
                      bias: torch.Tensor | None) -> torch.Tensor:
     """:func:`int8_linear_static` (bit-identical) on the kernel (python-float ``input_scale`` / ``input_offset``,
     ``deq_scale`` fp32 [N], ``quant_bias`` int32 [N] or None): ``x [..., K]`` -> x's dtype ``[..., N]``."""
+    if g.nv is not None:
+        return g.ops.w8a8_static_linear_nv(x, g.nv, g.row_sum, float(input_scale), float(input_offset), deq_scale,
+                                           quant_bias, bias)
     return g.ops.w8a8_static_linear(x, g.weight, g.row_sum, float(input_scale), float(input_offset), deq_scale,
                                     quant_bias, bias)
 

@@ -304,6 +304,9 @@ def run_stack_spec(ops, spec, x: torch.Tensor) -> torch.Tensor:
     if kind == kernels.STACK_KIND_W8A8_DYNAMIC_NV:
         wp, rs, ws, b = tensors
         return ops.w8a8_dynamic_linear_nv(x, wp, rs, ws, opt(b))
+    if kind == kernels.STACK_KIND_W8A8_STATIC_NV:
+        wp, rs, deq, qb, b, so = tensors
+        return ops.w8a8_static_linear_nv(x, wp, rs, float(so[0]), float(so[1]), deq, opt(qb), opt(b))
     if kind == kernels.STACK_KIND_WO_NV:
         wp, scale, zero, snv, zsnv, b = tensors
         return ops.wo_nv_linear(x, wp, ints[0], ints[1], ints[2], scale, opt(zero), snv, opt(zsnv), opt(b))

@@ -208,8 +208,9 @@ def test_signed_pack_layout(ops, n, k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 17, 48])
 @pytest.mark.parametrize("k", [576, 1000, 7])
-def test_w8a8_dynamic_nv_bit_identical(ops, dtype, m, k):
-    """The same quantization and epilogue as the row kernel (itself bit-identical to ``int8_linear_dynamic``)."""
+def test_w8a8_nv_bit_identical(ops, dtype, m, k):
+    """The same quantization and epilogue as the row kernels (themselves bit-identical to ``int8_linear_dynamic`` /
+    ``int8_linear_static``)."""
     if not has_vnni(ops):
         pytest.skip("the W8A8 row-interleaved kernel needs AVX512-VNNI")
     g = gen(m * k)
@@ -218,9 +219,13 @@ def test_w8a8_dynamic_nv_bit_identical(ops, dtype, m, k):
     row_sum, w_scale = q.sum(1, dtype=torch.int32), torch.rand(70, generator=g) * 0.01
     bias = torch.randn(70, generator=g).to(dtype)
     packed = ops.wo_nv_pack(q, 8, 0)
+    deq, quant_bias = torch.rand(70, generator=g) * 1e-4, torch.randint(-5000, 5000, (70,), generator=g).int()
     for b in (None, bias):
         expected = kernels.int8_linear_dynamic(x, q.t(), w_scale, b)
         assert torch.equal(ops.w8a8_dynamic_linear_nv(x, packed, row_sum, w_scale, b), expected)
+        for qb in (None, quant_bias):  # static: per-tensor scale and offset, int32 quant_bias, fp32 deq
+            expected = kernels.int8_linear_static(x, q.t(), 0.02, 3.0, deq, qb, b)
+            assert torch.equal(ops.w8a8_static_linear_nv(x, packed, row_sum, 0.02, 3.0, deq, qb, b), expected)
 
 
 def w8a8_layer(params_dtype: torch.dtype) -> torch.nn.Module:

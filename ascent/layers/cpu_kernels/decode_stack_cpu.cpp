@@ -59,7 +59,8 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 struct LinearCall {
   enum Kind : int64_t {
     kDense = 0, kW8A16 = 1, kW4A16 = 2, kW8A8Dynamic = 3, kW8A8DynamicAmx = 4, kW8A8StaticAmx = 5,
-    kW8A16Amx = 6, kW8A8Static = 7, kWoNv = 8, kW8A8DynamicNv = 9
+    kW8A16Amx = 6, kW8A8Static = 7, kWoNv = 8, kW8A8DynamicNv = 9,
+    kW8A8StaticNv = 10
   };
   int64_t kind = kDense;
   // kDense: [weight [N, K] bf16/fp16 (empty when no plain copy is kept), bias, oneDNN-packed weight, AMX tiles] with
@@ -69,7 +70,8 @@ struct LinearCall {
   // input_offset]]; kW8A16Amx: kW8A16's tensors and the AMX-INT8 packed weight, ints [small-M row limit] (the
   // small-M kernel up to it, the AMX one above); kW8A8Static: [weight int8 [N, K], row_sum, deq, quant_bias, bias,
   // fp32 [input_scale, input_offset]]; kWoNv: [packed (wo_nv_pack), scale [N, G], zero [N, G], scale_nv, zero * scale
-  // nv, bias] with ints [bits, N, K]; kW8A8DynamicNv: kW8A8Dynamic's with the weight packed (wo_nv_pack offset 0).
+  // nv, bias] with ints [bits, N, K]; kW8A8DynamicNv / kW8A8StaticNv: kW8A8Dynamic's / kW8A8Static's with the weight
+  // packed (wo_nv_pack offset 0).
   // See quantization/kernels.py.
   std::vector<at::Tensor> tensors;
   std::vector<int64_t> ints;
@@ -104,6 +106,11 @@ struct LinearCall {
       }
       case kW8A8DynamicNv:
         return ascent_quant::w8a8_dynamic_linear_nv(x, t[0], t[1], t[2], optional_tensor(t[3]));
+      case kW8A8StaticNv: {
+        const float* so = t[5].data_ptr<float>();
+        return ascent_quant::w8a8_static_linear_nv(x, t[0], t[1], so[0], so[1], t[2], optional_tensor(t[3]),
+                                                   optional_tensor(t[4]));
+      }
       case kWoNv:
         return ascent_quant::wo_nv_linear_impl(x, t[0], ints[0], ints[1], ints[2], t[1], optional_tensor(t[2]), t[3],
                                                optional_tensor(t[4]), optional_tensor(t[5]));
@@ -113,16 +120,17 @@ struct LinearCall {
 
   static LinearCall make(int64_t kind, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
     const size_t want_tensors =
-        kind == kW8A8StaticAmx || kind == kW8A16Amx ? 5 : (kind == kW8A8Static || kind == kWoNv ? 6 : 4);
+        kind == kW8A8StaticAmx || kind == kW8A16Amx ? 5 : (kind == kW8A8Static || kind == kWoNv || kind == kW8A8StaticNv ? 6 : 4);
     const size_t want_ints = kind == kDense ? 2 : (kind == kW4A16 || kind == kW8A16Amx ? 1 : (kind == kWoNv ? 3 : 0));
-    TORCH_CHECK(kind >= kDense && kind <= kW8A8DynamicNv && tensors.size() == want_tensors &&
+    TORCH_CHECK(kind >= kDense && kind <= kW8A8StaticNv && tensors.size() == want_tensors &&
                     ints.size() == want_ints,
                 "DecodeStack: linear kind ", kind, " with ", tensors.size(), " tensors / ", ints.size(), " ints");
     const bool amx = kind == kW8A8DynamicAmx || kind == kW8A8StaticAmx;
-    TORCH_CHECK(tensors[0].dim() == (amx || kind == kWoNv || kind == kW8A8DynamicNv ? 4 : 2) ||
+    const bool nv = kind == kWoNv || kind == kW8A8DynamicNv || kind == kW8A8StaticNv;
+    TORCH_CHECK(tensors[0].dim() == (amx || nv ? 4 : 2) ||
                     (kind == kDense && ints[0] == 0),
                 "DecodeStack: weight operand of kind ", kind, " has ", tensors[0].dim(), " dims");
-    if (kind == kW8A8StaticAmx || kind == kW8A8Static) {
+    if (kind == kW8A8StaticAmx || kind == kW8A8Static || kind == kW8A8StaticNv) {
       const at::Tensor& so = tensors.back();
       TORCH_CHECK(so.scalar_type() == at::kFloat && so.numel() == 2 && so.is_contiguous(),
                   "DecodeStack: kind ", kind, " needs fp32 [input_scale, input_offset]");

@@ -397,6 +397,7 @@ const int32_t* quant_bias_of(const c10::optional<at::Tensor>& quant_bias, int64_
 }
 
 #include "quant_amx_ops.h"
+
 #include "quant_int8_nv.h"
 
 // Static W8A8: q_x = clamp(nearbyint(x / s_x + z_x)), y = (q_x . W_q + quant_bias[n]) * deq[n] (+ bias).
@@ -444,7 +445,8 @@ int64_t set_wo_vnni(int64_t value) {
 
 // quant_wo_nv.h's kernels: y [M, N] = x [M, K] @ ((q - zero) * scale)^T (+ bias) on wo_nv_pack's layout.
 at::Tensor wo_nv_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t bits, int64_t n, int64_t k,
-                        const at::Tensor& scale_nk, const c10::optional<at::Tensor>& zero_nk, const at::Tensor& scale_nv,
+                        const at::Tensor& scale_nk, const c10::optional<at::Tensor>& zero_nk,
+                        const at::Tensor& scale_nv,
                         const c10::optional<at::Tensor>& zs_nv, const c10::optional<at::Tensor>& bias) {
   const at::Tensor x = rows_of(x_in, k);
   return like_x(wo_nv_linear_impl(x, packed, bits, n, k, scale_nk, zero_nk, scale_nv, zs_nv, bias), x_in);
@@ -470,6 +472,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "K steps, 4, 64]", py::arg("q"), py::arg("bits"), py::arg("offset") = -1);
   m.def("w8a8_dynamic_linear_nv", &ascent_quant::w8a8_dynamic_linear_nv,
         "w8a8_dynamic_linear_nv(x [...,K], packed (offset 0), row_sum i32 [N], w_scale f32 [N], bias) -> [...,N]");
+  m.def("w8a8_static_linear_nv", &ascent_quant::w8a8_static_linear_nv,
+        "w8a8_static_linear_nv(x, packed (offset 0), row_sum, input_scale, input_offset, deq, quant_bias, bias)");
   m.def("wo_nv_linear", &ascent_quant::wo_nv_linear,
         "wo_nv_linear(x [...,K], packed, bits, N, K, scale [N,G], zero, scale_nv, zs_nv, bias) -> [...,N]");
   m.def("w8a8_dynamic_linear", &ascent_quant::w8a8_dynamic_linear,

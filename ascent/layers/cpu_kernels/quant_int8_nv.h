@@ -81,3 +81,25 @@ at::Tensor w8a8_dynamic_linear_nv(const at::Tensor& x_in, const at::Tensor& pack
     return b.empty() ? y : y + b[j];
   }), x_in);
 }
+
+// Static W8A8 on the layout: bit-identical to w8a8_static_linear (same quantization and epilogue).
+at::Tensor w8a8_static_linear_nv(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& row_sum,
+                                 double input_scale, double input_offset, const at::Tensor& deq,
+                                 const c10::optional<at::Tensor>& quant_bias, const c10::optional<at::Tensor>& bias) {
+  const int64_t n = row_sum.numel(), k = x_in.size(-1), ldx = (k + 63) / 64 * 64;
+  TORCH_CHECK(k > 0 && k <= kMaxK, "K must be in [1, ", kMaxK, "], got ", k);
+  check_vec(row_sum, "row_sum", n, at::kInt);
+  check_vec(deq, "deq", n, at::kFloat);
+  const at::Tensor x = rows_of(x_in, k);
+  const int32_t* qb = quant_bias_of(quant_bias, n);
+  std::vector<uint8_t> xq;
+  quantize_rows_static(x, k, ldx, /*vnni=*/true, static_cast<float>(input_scale), static_cast<float>(input_offset), xq);
+  const std::vector<float> b = float_bias(bias, n);
+  const float* dp = deq.data_ptr<float>();
+  return like_x(int8_nv_linear(x, xq, ldx, packed, n, k, row_sum.data_ptr<int32_t>(), [&](int64_t, int64_t j,
+                                                                                           int32_t acc) {
+    const int32_t a = qb ? static_cast<int32_t>(static_cast<uint32_t>(acc) + static_cast<uint32_t>(qb[j])) : acc;
+    const float y = static_cast<float>(a) * dp[j];
+    return b.empty() ? y : y + b[j];
+  }), x_in);
+}

@@ -8,8 +8,8 @@
 // << 4, u = q + 8. Memory order [N/64][K steps][4][64]: each super-block is one contiguous stream.
 // A step is then (int4: after one AND and one shift-AND) one VPDPBUSD per vector and x part, with x's four (int8)
 // or 2 x 4 (int4) bytes broadcast: 16 output rows per instruction, no horizontal reductions, against the row
-// layout's (quant_wo_vnni.h) per-chunk epilogue and per-row reduction. Measured (Zen 4, 2 threads, SmolLM2-135M
-// shapes, DRAM-resident, M = 1): see quantization/kernels.py.
+// layout's (quant_wo_vnni.h) per-chunk epilogue and per-row reduction. Measured: see quantization/wo_nv.py.
+// Rows that are no 16-bit fixed-point material (fp32 x, NaN / inf, a CPU without VNNI) take an exact scalar path.
 // Per span of columns (one scale group, or kNvFlushCols of a per-channel weight) the int32 sums hi / lo become
 // t = 256 hi + lo - O sum(x^ over the span) = sum q x^ (modular int32 arithmetic; |t| < 2^31 by the span bounds),
 // then y += s t in fp32 (per-channel: y += t, scaled once at the end), y = 2^e y - sum_g z s sum(x_g) (+ bias).
@@ -102,7 +102,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_nv_super
       for (int b = 0; b < 4; ++b) hi[m][b] = lo[m][b] = _mm512_setzero_si512();
     for (int64_t s = a.span_step[sp]; s < a.span_step[sp + 1]; ++s) {
       const uint8_t* p = w + s * kNvStepBytes;
-      for (int b = 0; b < 4; ++b) _mm_prefetch(reinterpret_cast<const char*>(p + kNvPrefetchBytes + 64 * b), _MM_HINT_T2);
+      for (int b = 0; b < 4; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(p + kNvPrefetchBytes + 64 * b), _MM_HINT_T2);
       __m512i v[4];
       for (int b = 0; b < 4; ++b) v[b] = _mm512_loadu_si512(p + 64 * b);
       for (int m = 0; m < MB; ++m) {
@@ -170,7 +171,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void store_bf16_rows(const 
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * b), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * b),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
   }
 }
 

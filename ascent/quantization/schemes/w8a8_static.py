@@ -9,7 +9,8 @@ compressed-tensors: ``weight``, ``weight_scale`` [N, 1], ``input_scale`` [1]; z_
 at load and the float bias added after dequantization.
 
 Forward: ``xq = clamp(rint(x / s_x + z_x), -128, 127)``, ``acc = xq @ Wq^T`` (int32), ``y = d * (acc + beta)``.
-CPU decode (M <= ``INT8_GEMV_MAX_M``): the fused quantize + VNNI kernel (same math as ``int8_linear_static``).
+CPU decode (M <= ``Int8Gemv.max_m``): the fused quantize + VNNI kernel, on a row-interleaved copy where the CPU has
+AVX512-VNNI (``quantization/wo_nv.py``; same math as ``int8_linear_static``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
 from ascent.quantization.kernels import (
-    INT8_AMX_MAX_M, INT8_GEMV_MAX_M, StackSpec, gemv_fits, int8_gemv_static, int8_linear_static, int8_static_stack_spec,
+    INT8_AMX_MAX_M, StackSpec, gemv_fits, int8_gemv_static, int8_linear_static, int8_static_stack_spec,
     prepare_int8_amx, prepare_int8_gemv, quantize_static_int8,
 )
 from ascent.quantization.registry import register_scheme
@@ -78,8 +79,8 @@ class W8A8StaticLinear(QuantLinearScheme):
             layer.w8a8_deq = (torch.tensor(layer.w8a8_sx, dtype=torch.float32) * s_w).contiguous()
             layer.w8a8_beta = None
         layer.w8a8_deq = layer.w8a8_deq.float().contiguous()
-        layer.w8a8_gemv = prepare_int8_gemv(layer.weight.detach())
         layer.w8a8_amx = prepare_int8_amx(layer.weight.detach())
+        layer.w8a8_gemv = prepare_int8_gemv(layer.weight.detach(), nv=layer.w8a8_amx is None)
 
     def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:
         """The C++ decode stack's call of the AMX-INT8 kernel (``kernels.STACK_KIND_W8A8_STATIC_AMX``), else of the
@@ -106,7 +107,7 @@ class W8A8StaticLinear(QuantLinearScheme):
             return amx.linear_static(x, layer.w8a8_sx, layer.w8a8_zx, layer.w8a8_deq, layer.w8a8_beta,
                                      self._float_bias(bias))
         gemv = getattr(layer, "w8a8_gemv", None)
-        if gemv is not None and gemv_fits(x, INT8_GEMV_MAX_M):
+        if gemv is not None and gemv_fits(x, gemv.max_m):
             return int8_gemv_static(gemv, x, layer.w8a8_sx, layer.w8a8_zx, layer.w8a8_deq, layer.w8a8_beta,
                                     self._float_bias(bias))
         return int8_linear_static(x, layer.w8a8_w_t, layer.w8a8_sx, layer.w8a8_zx, layer.w8a8_deq,

@@ -188,14 +188,18 @@ def test_w8a8_mix_decode_rows_take_the_dynamic_kernel(kv_consumer, monkeypatch):
     amx = layer.w8a8_amx
     if kv_consumer:
         if amx is None:
-            assert spec[0] == kernels.STACK_KIND_W8A8_STATIC and spec[1][0] is layer.w8a8_gemv.weight
+            gemv = layer.w8a8_gemv
+            kind = kernels.STACK_KIND_W8A8_STATIC if gemv.nv is None else kernels.STACK_KIND_W8A8_STATIC_NV
+            assert spec[0] == kind and spec[1][0] is (gemv.weight if gemv.nv is None else gemv.nv)
         else:
             assert spec[0] == kernels.STACK_KIND_W8A8_STATIC_AMX and spec[1][0] is amx.packed
         return
     if amx is not None:
         assert spec[0] == kernels.STACK_KIND_W8A8_DYNAMIC_AMX and spec[1][0] is amx.packed
     else:
-        assert spec[0] == kernels.STACK_KIND_W8A8_DYNAMIC and spec[1][0] is layer.w8a8_gemv.weight
+        gemv = layer.w8a8_gemv
+        kind = kernels.STACK_KIND_W8A8_DYNAMIC if gemv.nv is None else kernels.STACK_KIND_W8A8_DYNAMIC_NV
+        assert spec[0] == kind and spec[1][0] is (gemv.weight if gemv.nv is None else gemv.nv)
     xs = [t(gaussian((m, K), 20 + m)).bfloat16() for m in (1, 3)]
     wants = [kernels.int8_linear_dynamic(x, layer.w8a8_w_t, layer.w8a8_ws, layer.bias) for x in xs]
 
