@@ -51,7 +51,7 @@ def max_tokens_of(kind: int) -> int:
               kernels.STACK_KIND_W8A8_STATIC_AMX: kernels.INT8_AMX_MAX_M,
               kernels.STACK_KIND_W8A16_AMX: kernels.INT8_AMX_MAX_M,
               kernels.STACK_KIND_W8A8_STATIC: kernels.INT8_GEMV_MAX_M,
-              kernels.STACK_KIND_WO_NV: kernels.WEIGHT_ONLY_GEMV_MAX_M[4],
+              kernels.STACK_KIND_WO_NV: kernels.WO_NV_MAX_M,
               kernels.STACK_KIND_W8A8_DYNAMIC_NV: kernels.INT8_NV_MAX_M,
               kernels.STACK_KIND_W8A8_STATIC_NV: kernels.INT8_NV_MAX_M}
     return limits.get(kind, 0)

@@ -65,6 +65,10 @@ INT8_NV_MAX_M = 48
 # sized M goes to _int_mm).
 INT8_AMX_MAX_M = 256
 WEIGHT_ONLY_GEMV_MAX_M = {8: 4, 4: 4}
+# The row-interleaved weight-only layout (wo_nv.py) against the dense bf16 weight (oneDNN-packed), same 30 layers,
+# Zen 4, 2 threads, bf16 x, interleaved minima, ms (W4A16 group 64 | W8A16 per channel | dense bf16):
+#   M=4: 3.93 | 5.52 | 12.0;  M=8: 7.81 | 9.24 | 19.1;  M=16: 14.0 | 14.2 | 18.5;  M=32: 23.8 | 27.1 | 27.4.
+WO_NV_MAX_M = 32
 GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # ``decode_stack_call`` kinds (``models/decode_stack.py`` LinearSpec = (kind, tensors, ints); kind 0 is the dense
 # bf16 small-M kernel): the C++ stack can include quant_gemv_cpu.cpp (ASCENT_EMBEDDED_KERNELS) and call
@@ -412,8 +416,9 @@ class WeightOnlyGemv:
 
     @property
     def max_m(self) -> int:
-        """Largest M this kernel is used for (:data:`WEIGHT_ONLY_GEMV_MAX_M`)."""
-        return WEIGHT_ONLY_GEMV_MAX_M[self.bits]
+        """Largest M this kernel is used for (:data:`WO_NV_MAX_M` with the row-interleaved layout, else
+        :data:`WEIGHT_ONLY_GEMV_MAX_M`)."""
+        return WO_NV_MAX_M if self.nv is not None else WEIGHT_ONLY_GEMV_MAX_M[self.bits]
 
     def stack_spec(self, bias: torch.Tensor | None, amx: Int8Amx | None = None) -> StackSpec:
         """The decode-stack call of this linear (see :data:`STACK_KIND_W8A16` / :data:`STACK_KIND_W4A16`, and

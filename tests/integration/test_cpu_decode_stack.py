@@ -132,3 +132,25 @@ def test_quantized_stack_equals_module_path(tmp_path, monkeypatch, scheme, fmt, 
     assert stack._eligible and stack.steps_run > 0
     plain, _, _ = _run(quant_dir, monkeypatch, "0")
     assert fused == plain
+
+
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a8_dynamic"])
+def test_quantized_stack_beyond_four_rows_equals_module_path(tmp_path, monkeypatch, scheme):
+    """Row-interleaved kernels (``quantization/wo_nv.py``, AVX512-VNNI CPUs) serve the stack's steps up to their own
+    larger M ranges (17 rows here); elsewhere the stack steps back to the module path above the small-M range."""
+    from ascent.quantization.export.quantize import quantize_model
+
+    monkeypatch.setenv("ASCENT_CPU_AMX", "0")
+    float_dir = build_model("llama", tmp_path / "float", seed=8, hidden_size=128, intermediate_size=256,
+                            head_dim=32)
+    quant_dir = str(tmp_path / scheme)
+    quantize_model(str(float_dir), scheme, "compressed-tensors", quant_dir, group_size=32, calib_tokens=64,
+                   dtype="bfloat16")
+    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS] + ["one more prompt"]
+    fused, stack, _ = _run(quant_dir, monkeypatch, "1", prompts=prompts)
+    plain, _, _ = _run(quant_dir, monkeypatch, "0", prompts=prompts)
+    assert fused == plain
+    from ascent.layers.cpu_kernels import quant_ops
+
+    if "vnni" in quant_ops().isa():
+        assert stack.largest_step == len(prompts)  # every decode step of the batch ran in the stack
