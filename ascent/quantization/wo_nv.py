@@ -30,8 +30,9 @@ NV_ENV = "ASCENT_QUANT_NV"
 
 @dataclass
 class NvLayout:
-    """``packed`` uint8 [Npad/64, K steps, 4, 64] (``wo_nv_pack``), ``scale`` fp32 [Npad/64, G, 64], ``zero_scale``
-    fp32 [Npad/64, G, 64] (zero point * scale) or None; ``n`` the true rows N."""
+    """``packed`` uint8 [Npad/64, K steps, 4, 64] (``wo_nv_pack``), ``scale`` [Npad/64, G, 64] (bf16 when every
+    scale is a bf16 value, as checkpoints of 16-bit models store them: half the scale bytes streamed per call; else
+    fp32), ``zero_scale`` fp32 [Npad/64, G, 64] (zero point * scale) or None; ``n`` the true rows N."""
 
     n: int
     packed: torch.Tensor
@@ -74,4 +75,8 @@ def prepare_nv(ops: ModuleType, q: torch.Tensor, bits: int, scale: torch.Tensor,
     """The layout of int8 values ``q`` [N, K] with ``scale`` / ``zero`` fp32 [N, G]."""
     n = q.shape[0]
     zero_scale = None if zero is None else nv_rows(zero.float() * scale.float(), n)
-    return NvLayout(n, ops.wo_nv_pack(q.contiguous(), bits), nv_rows(scale, n), zero_scale)
+    scale_nv = nv_rows(scale, n)
+    as_bf16 = scale_nv.to(torch.bfloat16)
+    if torch.equal(as_bf16.float(), scale_nv):  # exact: the kernel widens them back to the same fp32 values
+        scale_nv = as_bf16
+    return NvLayout(n, ops.wo_nv_pack(q.contiguous(), bits), scale_nv, zero_scale)

@@ -78,6 +78,20 @@ def test_kernel_matches_reference(ops, dtype, m, bits, k, groups):
         assert_close(nv_linear(ops, bits, x, q, scale, z, b), ref_weight_only(x, q, scale, z, b))
 
 
+@pytest.mark.parametrize("bits,groups", [(4, 9), (4, 1), (8, 1), (8, 9)])
+def test_bf16_scales_equal_fp32_scales(ops, bits, groups):
+    """bf16-valued scales stored as bf16 (half the bytes) give bit-identical outputs to the same values in fp32."""
+    x, q, scale, zero, bias = operands(3, 576, 70, groups, bits, 31 + bits + groups, torch.bfloat16)
+    scale = scale.bfloat16().float()
+    packed, snv = ops.wo_nv_pack(q, bits), nv_rows(scale, 70)
+    for z in (None, zero):
+        zs = None if z is None else nv_rows(z * scale, 70)
+        fp32 = ops.wo_nv_linear(x, packed, bits, 70, 576, scale, z, snv, zs, bias)
+        half = ops.wo_nv_linear(x, packed, bits, 70, 576, scale, z, snv.bfloat16(), zs, bias)
+        assert torch.equal(fp32, half)
+        assert_close(half, ref_weight_only(x, q, scale, z, bias))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_outlier_activations(ops, bits, dtype):
@@ -172,6 +186,7 @@ def test_w4a16_takes_the_layout(ops, monkeypatch, symmetric, dtype):
     nv = layer.wo_gemv.nv
     assert (nv is not None) == has_vnni(ops)
     if nv is not None:
+        assert nv.scale.dtype == torch.float32  # the test's fp32 scales are no bf16 values: kept exact
         assert layer.wo_packed is None  # the int4pack copy is dropped: the kernels take its M range
         kind, tensors, ints = layer.quant_method.scheme.decode_stack_call(layer)
         assert kind == kernels.STACK_KIND_WO_NV and ints == [4, N_OUT, K_IN] and len(tensors) == 6
@@ -183,6 +198,17 @@ def test_w4a16_takes_the_layout(ops, monkeypatch, symmetric, dtype):
     assert row_layout.wo_gemv.nv is None and row_layout.wo_packed is not None
     x = torch.randn(2, K_IN, generator=gen(7)).to(dtype)
     assert (layer(x).float() - row_layout(x).float()).abs().max() <= 4 * ULP[dtype] * row_layout(x).float().abs().max()
+
+
+def test_bf16_checkpoint_scales_stream_as_bf16(ops):
+    from ascent.quantization.wo_nv import prepare_nv
+
+    if not has_vnni(ops):
+        pytest.skip("no row-interleaved layout on this CPU")
+    q = torch.randint(-8, 8, (70, 128), generator=gen(1), dtype=torch.int8)
+    scale = (torch.rand(70, 2, generator=gen(2)) * 0.01).bfloat16().float()
+    assert prepare_nv(ops, q, 4, scale, None).scale.dtype == torch.bfloat16
+    assert prepare_nv(ops, q, 4, scale + 1e-7, None).scale.dtype == torch.float32
 
 
 def test_fp32_models_and_w8a16_keep_the_row_layout(ops):

@@ -71,7 +71,8 @@ struct WoNvArgs {
   const int32_t* corr;       // [M][nspans] -O * sum of x^ over the span
   const float* zterm;        // [M][nspans] sum of x over the span / 2^e (zero points only)
   const float* step;         // [M] 2^e
-  const float* scale;        // [Npad / 64][G][64] (G = nspans grouped, else 1)
+  const void* scale;         // [Npad / 64][G][64] (G = nspans grouped, else 1), fp32 or bf16 (scale_bf16)
+  bool scale_bf16;
   const float* zs;           // [Npad / 64][G][64] zero point * scale, or nullptr
   bool grouped;
 };
@@ -83,6 +84,14 @@ struct WoNvScratch {
   std::vector<int64_t> span_step;
 };
 
+// 16 scales at s (fp32, or bf16 widened exactly).
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 nv_scales(const void* s, bool bf16,
+                                                                                          int64_t off) {
+  if (!bf16) return _mm512_loadu_ps(static_cast<const float*>(s) + off);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(s) + off));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // 64 rows of super-block sb for x rows m0 .. m0 + MB - 1 -> out[m][64] (fp32, before bias).
 template <int kBits, int MB>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_nv_superblock(const WoNvArgs& a, int64_t sb,
@@ -91,7 +100,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_nv_super
   const __m512i nib = _mm512_set1_epi8(0x0F);
   const uint8_t* w = a.w + sb * a.steps * kNvStepBytes;
   const int64_t gs = a.grouped ? a.nspans : 1;
-  const float* scale = a.scale + sb * gs * kNvRows;
+  const int64_t scale0 = sb * gs * kNvRows;
   const float* zs = a.zs ? a.zs + sb * gs * kNvRows : nullptr;
   __m512 y[MB][4];
   for (int m = 0; m < MB; ++m)
@@ -138,7 +147,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_nv_super
       for (int b = 0; b < 4; ++b) {
         const __m512i t = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[m][b], 8), lo[m][b]), corr);
         const __m512 f = _mm512_cvtepi32_ps(t);
-        y[m][b] = a.grouped ? _mm512_fmadd_ps(f, _mm512_loadu_ps(scale + g * kNvRows + 16 * b), y[m][b])
+        const int64_t off = scale0 + g * kNvRows + 16 * b;
+        y[m][b] = a.grouped ? _mm512_fmadd_ps(f, nv_scales(a.scale, a.scale_bf16, off), y[m][b])
                             : _mm512_add_ps(y[m][b], f);
         if (zs && a.grouped) y[m][b] = _mm512_fnmadd_ps(_mm512_loadu_ps(zs + g * kNvRows + 16 * b), zt, y[m][b]);
       }
@@ -152,7 +162,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_nv_super
     for (int b = 0; b < 4; ++b) {
       __m512 r = y[m][b];
       if (!a.grouped) {
-        r = _mm512_mul_ps(r, _mm512_loadu_ps(scale + 16 * b));
+        r = _mm512_mul_ps(r, nv_scales(a.scale, a.scale_bf16, scale0 + 16 * b));
         if (zs) r = _mm512_fnmadd_ps(_mm512_loadu_ps(zs + 16 * b), _mm512_set1_ps(zsum), r);
       }
       _mm512_storeu_ps(out + m * kNvRows + 16 * b, _mm512_mul_ps(r, st));
@@ -322,11 +332,12 @@ at::Tensor wo_nv_linear_impl(const at::Tensor& x, const at::Tensor& packed, int6
     check_vec(*zero_nk, "zero", n * groups, at::kFloat);
     check_vec(*zs_nv, "zs_nv", npad * groups, at::kFloat);
   }
-  check_vec(scale_nv, "scale_nv", npad * groups, at::kFloat);
+  const bool scale_bf16 = scale_nv.scalar_type() == at::kBFloat16;
+  check_vec(scale_nv, "scale_nv", npad * groups, scale_bf16 ? at::kBFloat16 : at::kFloat);
   thread_local WoNvScratch scratch;  // the workers read it during this call only
   std::vector<int64_t> exact_rows;
   WoNvArgs a{packed.data_ptr<uint8_t>(), steps, nullptr, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr,
-             scale_nv.data_ptr<float>(), has_zero ? zs_nv->data_ptr<float>() : nullptr, false};
+             scale_nv.data_ptr(), scale_bf16, has_zero ? zs_nv->data_ptr<float>() : nullptr, false};
   if (bits == 4) wo_nv_prepare<4>(x, k, groups, has_zero, a, scratch, exact_rows);
   else wo_nv_prepare<8>(x, k, groups, has_zero, a, scratch, exact_rows);
   const int64_t m_rows = x.size(0);
