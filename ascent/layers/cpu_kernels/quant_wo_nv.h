@@ -85,15 +85,16 @@ struct WoNvScratch {
 };
 
 // 16 scales at s (fp32, or bf16 widened exactly).
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 nv_scales(const void* s, bool bf16,
-                                                                                          int64_t off) {
-  if (!bf16) return _mm512_loadu_ps(static_cast<const float*>(s) + off);
+template <bool kBf16>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 nv_scales(const void* s, int64_t off) {
+  if constexpr (!kBf16) return _mm512_loadu_ps(static_cast<const float*>(s) + off);
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(s) + off));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 // 64 rows of super-block sb for x rows m0 .. m0 + MB - 1 -> out[m][64] (fp32, before bias).
-template <int kBits, int MB>
+// (kBf16: the scales are bf16; compile-time, as a runtime choice there cost the two-row kernels half their speed)
+template <int kBits, int MB, bool kBf16>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_nv_superblock(const WoNvArgs& a, int64_t sb,
                                                                                       int64_t m0, float* out) {
   using G = NvGeometry<kBits>;
@@ -141,15 +142,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_nv_super
       }
     }
     const int64_t g = a.grouped ? sp : 0;
+    __m512 sv[4];  // the span's scales, shared by the x rows
+    for (int b = 0; b < 4; ++b)
+      sv[b] = a.grouped ? nv_scales<kBf16>(a.scale, scale0 + g * kNvRows + 16 * b) : _mm512_setzero_ps();
     for (int m = 0; m < MB; ++m) {
       const __m512i corr = _mm512_set1_epi32(a.corr[(m0 + m) * a.nspans + sp]);
       const __m512 zt = _mm512_set1_ps(zs ? a.zterm[(m0 + m) * a.nspans + sp] : 0.f);
       for (int b = 0; b < 4; ++b) {
         const __m512i t = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[m][b], 8), lo[m][b]), corr);
         const __m512 f = _mm512_cvtepi32_ps(t);
-        const int64_t off = scale0 + g * kNvRows + 16 * b;
-        y[m][b] = a.grouped ? _mm512_fmadd_ps(f, nv_scales(a.scale, a.scale_bf16, off), y[m][b])
-                            : _mm512_add_ps(y[m][b], f);
+        y[m][b] = a.grouped ? _mm512_fmadd_ps(f, sv[b], y[m][b]) : _mm512_add_ps(y[m][b], f);
         if (zs && a.grouped) y[m][b] = _mm512_fnmadd_ps(_mm512_loadu_ps(zs + g * kNvRows + 16 * b), zt, y[m][b]);
       }
     }
@@ -162,7 +164,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_nv_super
     for (int b = 0; b < 4; ++b) {
       __m512 r = y[m][b];
       if (!a.grouped) {
-        r = _mm512_mul_ps(r, nv_scales(a.scale, a.scale_bf16, scale0 + 16 * b));
+        r = _mm512_mul_ps(r, nv_scales<kBf16>(a.scale, scale0 + 16 * b));
         if (zs) r = _mm512_fnmadd_ps(_mm512_loadu_ps(zs + 16 * b), _mm512_set1_ps(zsum), r);
       }
       _mm512_storeu_ps(out + m * kNvRows + 16 * b, _mm512_mul_ps(r, st));
@@ -347,14 +349,18 @@ at::Tensor wo_nv_linear_impl(const at::Tensor& x, const at::Tensor& packed, int6
   auto out = at::empty({m_rows, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const Store store{out.data_ptr(), out.scalar_type(), n};
   const int64_t nsb = npad / kNvRows;
+  using Fn = void (*)(const WoNvArgs&, int64_t, int64_t, float*);
+  static const Fn kernels[8] = {wo_nv_superblock<8, 1, false>, wo_nv_superblock<8, 2, false>,
+                                wo_nv_superblock<8, 1, true>,  wo_nv_superblock<8, 2, true>,
+                                wo_nv_superblock<4, 1, false>, wo_nv_superblock<4, 2, false>,
+                                wo_nv_superblock<4, 1, true>,  wo_nv_superblock<4, 2, true>};
   if (static_cast<int64_t>(exact_rows.size()) < m_rows) {
     parallel_blocks(nsb, [&](int64_t begin, int64_t end) {
       float acc[2 * kNvRows];
       for (int64_t sb = begin; sb < end; ++sb)
         for (int64_t m0 = 0; m0 < m_rows; m0 += 2) {
           const int64_t mb = std::min<int64_t>(2, m_rows - m0);
-          if (bits == 4) (mb == 2 ? wo_nv_superblock<4, 2> : wo_nv_superblock<4, 1>)(a, sb, m0, acc);
-          else (mb == 2 ? wo_nv_superblock<8, 2> : wo_nv_superblock<8, 1>)(a, sb, m0, acc);
+          kernels[(bits == 4 ? 4 : 0) + (a.scale_bf16 ? 2 : 0) + (mb - 1)](a, sb, m0, acc);
           for (int64_t m = 0; m < mb; ++m) {
             if (exact[m0 + m]) continue;
             const int64_t row0 = sb * kNvRows, rows = std::min(kNvRows, n - row0);
