@@ -86,7 +86,8 @@ struct WoNvScratch {
 
 // 16 scales at s (fp32, or bf16 widened exactly).
 template <bool kBf16>
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 nv_scales(const void* s, int64_t off) {
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 nv_scales(const void* s,
+                                                                                          int64_t off) {
   if constexpr (!kBf16) return _mm512_loadu_ps(static_cast<const float*>(s) + off);
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(s) + off));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
