@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from ascent.layers.cpu_packing import pack_linear_weight, packed_linear
 from ascent.platform.ops_utils import symmetric_quant
-from ascent.quantization.wo_nv import NvLayout, int8_nv_applies, nv_applies, prepare_nv, unpack_nibbles
+from ascent.quantization.packing import unpack_from_int32
+from ascent.quantization.wo_nv import NvLayout, int8_nv_applies, nv_applies, prepare_nv
 
 REFERENCE_ENV = "ASCENT_QUANT_REFERENCE"
 # Weight-only packed kernels vs the dequantize-once dense weight (bf16, oneDNN-packed), measured once on this
@@ -457,7 +458,9 @@ def prepare_wo_gemv(weight: torch.Tensor, bits: int, k: int, scale: torch.Tensor
         return None
     nv = None
     if nv_applies(ops, bits, k, groups, dtype):
-        q = weight if weight.dtype == torch.int8 else unpack_nibbles(weight, k)
+        # nibble bytes (little-endian words of pack_to_int32's layout) -> int8 values
+        q = weight if weight.dtype == torch.int8 else unpack_from_int32(
+            F.pad(weight, (0, -weight.shape[1] % 4)).contiguous().view(torch.int32), 4, k, dim=1)
         nv = prepare_nv(ops, q, bits, scale, zero)
     if bits == 4 and weight.dtype == torch.int8:
         weight = ops.w4a16_pack(weight.contiguous())

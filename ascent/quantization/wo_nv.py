@@ -63,13 +63,6 @@ def nv_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.reshape(npad // NV_ROWS, NV_ROWS, t.shape[1]).permute(0, 2, 1).contiguous()
 
 
-def unpack_nibbles(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """``w4a16_pack`` bytes uint8 [N, ceil(K/2)] -> int8 values [N, K] (low nibble = even column, u = q + 8)."""
-    low = (packed & 15).to(torch.int8) - 8
-    high = (packed >> 4).to(torch.int8) - 8
-    return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)[:, :k].contiguous()
-
-
 def prepare_nv(ops: ModuleType, q: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor | None
                ) -> NvLayout:
     """The layout of int8 values ``q`` [N, K] with ``scale`` / ``zero`` fp32 [N, G]."""

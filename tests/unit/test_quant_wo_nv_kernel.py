@@ -15,7 +15,7 @@ from ascent.layers.linear import ReplicatedLinear
 from ascent.quantization import kernels
 from ascent.quantization.base import QuantSpec
 from ascent.quantization.packing import pack_to_int32
-from ascent.quantization.wo_nv import NV_ENV, nv_rows, unpack_nibbles
+from ascent.quantization.wo_nv import NV_ENV, nv_rows
 from tests.unit.quant.scheme_utils import SpecConfig, finish, load
 from tests.unit.test_quant_gemv_kernels import ULP, assert_close, gen, operands, ref_weight_only
 
@@ -60,9 +60,17 @@ def test_pack_layout(ops, bits, n, k):
     assert torch.equal(ops.wo_nv_pack(q, bits), python_pack(q, bits))
 
 
-def test_unpack_nibbles_inverts_w4a16_pack(ops):
-    q = torch.randint(-8, 8, (9, 33), generator=gen(2), dtype=torch.int8)
-    assert torch.equal(unpack_nibbles(ops.w4a16_pack(q), 33), q)
+@pytest.mark.parametrize("k", [33, 64])
+def test_packed_nibbles_give_the_layout_of_their_values(ops, k):
+    """W4A16 kernel operands prepared from nibble bytes (``w4a16_pack``, compressed-tensors' bytes) or from int8
+    values agree: the same row-interleaved layout."""
+    if not has_vnni(ops):
+        pytest.skip("no row-interleaved layout on this CPU")
+    q = torch.randint(-8, 8, (9, k), generator=gen(2), dtype=torch.int8)
+    scale = torch.rand(9, 1, generator=gen(3))
+    from_bytes = kernels.prepare_wo_gemv(ops.w4a16_pack(q), 4, k, scale, None, torch.bfloat16).nv
+    from_values = kernels.prepare_wo_gemv(q, 4, k, scale, None, torch.bfloat16).nv
+    assert torch.equal(from_bytes.packed, from_values.packed) and torch.equal(from_bytes.packed, python_pack(q, 4))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
