@@ -113,6 +113,14 @@ def _optional(values: list, neutral: float, dtype: torch.dtype, device: torch.de
     return torch.tensor(values, dtype=dtype, device=device)
 
 
+def is_plain_greedy(p: SamplingParams) -> bool:
+    """Whether the sampler's token for a row with ``p`` is the argmax of its raw logits and nothing else is asked of
+    it: greedy, no logprobs, and no logits processor that could change a logit (penalties, logit_bias,
+    allowed_token_ids, min_tokens)."""
+    return (p.temperature < _SAMPLING_EPS and p.logprobs is None and _neutral_penalties(p) and not p.logit_bias
+            and p.allowed_token_ids is None and not p.min_tokens)
+
+
 def _neutral_penalties(p: SamplingParams) -> bool:
     return p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
 

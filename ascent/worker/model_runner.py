@@ -18,8 +18,8 @@ from ascent.core.sched_output import LogprobsEntry, ModelRunnerOutput, Scheduler
 from ascent.forward_context import set_forward_context
 from ascent.loader.base import get_model
 from ascent.sample.logprobs import compute_logprobs_tensors
-from ascent.sample.metadata import SamplingMetadata
-from ascent.sample.rng import make_generator
+from ascent.sample.metadata import SamplingMetadata, is_plain_greedy
+from ascent.sample.rng import argmax_rows, make_generator
 from ascent.sample.sampler import Sampler
 from ascent.worker.input_batch import InputBatch, write_drafts
 from ascent.worker.kv_zeroing import zero_new_blocks
@@ -266,10 +266,13 @@ class ModelRunner:
                 output: ModelRunnerOutput) -> None:
         batch = self.input_batch
         states = [batch.states[inp.req_ids[i]] for i in sampling]
-        metadata = self._sampling_metadata(states)
-        out = self.sampler(logits, metadata)
-        tokens = out.sampled_token_ids.view(-1).tolist()
-        entries = out.logprobs_tensors.to_entries() if out.logprobs_tensors is not None else None
+        if logits.dtype == torch.float32 and all(is_plain_greedy(s.sampling_params) for s in states):
+            tokens = argmax_rows(logits).tolist()  # the sampler's answer for these rows, without its metadata
+            entries = None
+        else:
+            out = self.sampler(logits, self._sampling_metadata(states))
+            tokens = out.sampled_token_ids.view(-1).tolist()
+            entries = out.logprobs_tensors.to_entries() if out.logprobs_tensors is not None else None
         for j, i in enumerate(sampling):
             batch.append_token(int(inp.rows[i]), tokens[j])
             output.sampled_token_ids[i] = [tokens[j]]

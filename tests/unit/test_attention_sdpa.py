@@ -178,3 +178,30 @@ def test_batched_short_queries_match_per_request_path(monkeypatch: pytest.Monkey
     for i, (c, _) in enumerate(reqs):
         expected = reference(q[qsl[i]: qsl[i + 1]], full_k[i], full_v[i], c, HEAD**-0.5, window)
         assert (out[qsl[i]: qsl[i + 1]].double() - expected).abs().max() <= 2e-5 * max(1.0, expected.abs().max())
+
+
+@pytest.mark.parametrize("pad", [0, 2])
+def test_decode_only_metadata_equals_the_general_plan(pad: int) -> None:
+    """A step of one token per request takes ``build``'s decode-only shortcut; its metadata equals the general
+    per-kind plan field by field (lengths differ, so the padded-slot mask is exercised), and it still validates."""
+    import dataclasses
+
+    rng = np.random.default_rng(4)
+    gen = torch.Generator().manual_seed(4)
+    common = make_paged_case([(11, 1), (5, 1), (0, 1), (17, 1)], torch.float32, pad, rng, gen, num_blocks=NUM_BLOCKS,
+                             block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, num_heads=NUM_HEADS, head=HEAD,
+                             sentinel=SENTINEL)[0]
+    builder = SDPABackend.get_builder_cls()()
+    fast = builder.build(common)
+    general = builder._build_general(common, common.seq_lens_np.astype(np.int64),
+                                     common.num_computed_tokens_np.astype(np.int64))
+    for field in dataclasses.fields(fast):
+        a, b = getattr(fast, field.name), getattr(general, field.name)
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            assert a is not None and b is not None and a.dtype == b.dtype and torch.equal(a, b), field.name
+        else:
+            assert a == b, field.name
+    assert fast.num_decodes == 4 and fast.decode_mask is not None and (fast.write_rows is not None) == (pad > 0)
+    bad = dataclasses.replace(common, seq_lens_np=common.seq_lens_np + 1)
+    with pytest.raises(ValueError, match="seq_lens"):
+        builder.build(bad)

@@ -167,9 +167,16 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
     """Builds ``SDPAMetadata`` from host-side lengths (no device synchronization except the -1 slot check)."""
 
     def build(self, common: CommonAttentionMetadata) -> SDPAMetadata:
-        qsl = common.query_start_loc_np[: common.num_reqs + 1].astype(np.int64)
         seq_lens = common.seq_lens_np[: common.num_reqs].astype(np.int64)
         computed = common.num_computed_tokens_np[: common.num_reqs].astype(np.int64)
+        if common.max_query_len == 1 and common.num_actual_tokens == common.num_reqs:
+            return self._build_decode_only(common, seq_lens, computed)
+        return self._build_general(common, seq_lens, computed)
+
+    def _build_general(self, common: CommonAttentionMetadata, seq_lens: np.ndarray,
+                       computed: np.ndarray) -> SDPAMetadata:
+        """Any mix of decodes, short multi-token queries and prefills, each planned by kind."""
+        qsl = common.query_start_loc_np[: common.num_reqs + 1].astype(np.int64)
         query_lens = np.diff(qsl)
         if np.any(computed + query_lens != seq_lens):
             raise ValueError(f"seq_lens {seq_lens.tolist()} != num_computed {computed.tolist()} + query lens "
@@ -191,6 +198,19 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
         prefill_idx = np.flatnonzero((query_lens > 1) & ~short) if expand else np.flatnonzero(query_lens > 1)
         for i in (np.setdiff1d(prefill_idx, multi) if len(prefill_idx) else prefill_idx):
             md.prefills.append(self._plan_prefill(common, int(i), qsl, seq_lens, computed))
+        return md
+
+    def _build_decode_only(self, common: CommonAttentionMetadata, seq_lens: np.ndarray,
+                           computed: np.ndarray) -> SDPAMetadata:
+        """A step of one query token per request (token row i = request i): ``build``'s result without its
+        per-kind splitting."""
+        if np.any(computed + 1 != seq_lens):
+            raise ValueError(f"seq_lens {seq_lens.tolist()} != num_computed {computed.tolist()} + 1 (one-token step)")
+        write_slots, write_rows = write_plan(common.slot_mapping)
+        md = SDPAMetadata(common.num_actual_tokens, write_slots, write_rows, common.num_reqs, None, 0, None, None,
+                          None, [])
+        if common.num_reqs:
+            self._plan_decodes(md, common, None, None, seq_lens)
         return md
 
     @staticmethod
@@ -217,22 +237,24 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
                               torch.from_numpy(rows.reshape(-1)[flat_valid]).to(device), slots, q_pos_t, mask)
 
     @staticmethod
-    def _plan_decodes(md: SDPAMetadata, common: CommonAttentionMetadata, owners: np.ndarray, rows: np.ndarray,
-                      lens: np.ndarray) -> None:
-        """Decode rows: token row ``rows[j]`` of request ``owners[j]`` attends to its first ``lens[j]`` slots."""
+    def _plan_decodes(md: SDPAMetadata, common: CommonAttentionMetadata, owners: np.ndarray | None,
+                      rows: np.ndarray | None, lens: np.ndarray) -> None:
+        """Decode rows: token row ``rows[j]`` of request ``owners[j]`` attends to its first ``lens[j]`` slots
+        (``owners`` / ``rows`` None: ``0..len(lens)-1``)."""
         device = common.block_table.device
-        if rows[-1] - rows[0] + 1 == len(rows) and np.all(np.diff(rows) == 1):
-            md.decode_start = int(rows[0])
+        if rows is None or (rows[-1] - rows[0] + 1 == len(rows) and np.all(np.diff(rows) == 1)):
+            md.decode_start = 0 if rows is None else int(rows[0])
         else:
             md.decode_rows = torch.from_numpy(rows).to(device)
         max_len = int(lens.max())
-        table = common.block_table.index_select(0, torch.from_numpy(owners).to(device))
+        table = (common.block_table[: len(lens)] if owners is None
+                 else common.block_table.index_select(0, torch.from_numpy(owners).to(device)))
         slots = _context_slots(table, common.block_size, max_len)
         md.decode_seq_lens = torch.from_numpy(lens).to(device)
         if int(lens.min()) < max_len:
             mask = torch.arange(max_len, device=device).unsqueeze(0) < md.decode_seq_lens.unsqueeze(1)
             slots = torch.where(mask, slots, slots[:, :1])
-            md.decode_mask = mask.view(len(rows), 1, 1, max_len)
+            md.decode_mask = mask.view(len(lens), 1, 1, max_len)
         md.decode_slots = slots
 
     @staticmethod

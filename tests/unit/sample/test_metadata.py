@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ascent.sample.metadata import SamplingMetadata
+from ascent.sample.metadata import SamplingMetadata, is_plain_greedy
+from ascent.sample.sampler import Sampler, has_logits_processors
 from ascent.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -81,3 +82,28 @@ def test_out_of_vocab_ids_are_rejected() -> None:
         _build([SamplingParams(logit_bias={12: 1.0})])
     with pytest.raises(ValueError, match="allowed_token_ids.*11"):
         _build([SamplingParams(allowed_token_ids=[1, 11])])
+
+
+@pytest.mark.parametrize("kwargs,plain", [
+    ({"temperature": 0.0}, True),
+    ({"temperature": 0.0, "seed": 3, "top_k": 5, "top_p": 0.5, "min_p": 0.2}, True),  # truncation: argmax unchanged
+    ({"temperature": 0.7}, False),
+    ({"temperature": 0.0, "logprobs": 0}, False),
+    ({"temperature": 0.0, "presence_penalty": 0.5}, False),
+    ({"temperature": 0.0, "frequency_penalty": -0.5}, False),
+    ({"temperature": 0.0, "repetition_penalty": 1.1}, False),
+    ({"temperature": 0.0, "logit_bias": {3: 5.0}}, False),
+    ({"temperature": 0.0, "allowed_token_ids": [1, 2]}, False),
+    ({"temperature": 0.0, "min_tokens": 2, "stop_token_ids": [3]}, False),
+])
+def test_plain_greedy_rows_are_exactly_the_sampler_argmax(kwargs, plain) -> None:
+    """``is_plain_greedy`` (the model runner's shortcut past the metadata) holds exactly when the sampler would
+    return the argmax of the raw logits and nothing else: greedy, no logits processor, no logprobs."""
+    params = SamplingParams(**kwargs)
+    assert is_plain_greedy(params) is plain
+    md = _build([params], outputs=[[4]], generators={0: torch.Generator().manual_seed(1)}, vocab=10)
+    assert (md.all_greedy and not has_logits_processors(md) and md.max_num_logprobs is None) is plain
+    logits = torch.randn(1, 10, generator=torch.Generator().manual_seed(2))
+    out = Sampler()(logits, md)
+    if plain:
+        assert out.sampled_token_ids.item() == int(logits.argmax()) and out.logprobs_tensors is None
