@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ascent.layers.cpu_packing import pack_linear_weight, packed_linear
 from ascent.platform.ops_utils import symmetric_quant
 from ascent.quantization.packing import unpack_from_int32
-from ascent.quantization.wo_nv import NvLayout, int8_nv_applies, nv_applies, prepare_nv
+from ascent.quantization.wo_nv import NV_ROW_MAX_M, NvLayout, int8_nv_applies, nv_applies, prepare_nv
 
 REFERENCE_ENV = "ASCENT_QUANT_REFERENCE"
 # Weight-only packed kernels vs the dequantize-once dense weight (bf16, oneDNN-packed), measured once on this
@@ -426,9 +426,10 @@ class WeightOnlyGemv:
         :data:`STACK_KIND_W8A16_AMX` with ``amx``)."""
         tensors = [self.weight, self.scale, _or_empty(self.zero, self.scale), _or_empty(bias, self.scale)]
         if self.nv is not None:
-            nv = self.nv
+            nv, row_max = self.nv, NV_ROW_MAX_M[self.bits]
             return (STACK_KIND_WO_NV, [nv.packed, self.scale, tensors[2], nv.scale, _or_empty(nv.zero_scale, nv.scale),
-                                       tensors[3]], [self.bits, nv.n, self.k])
+                                       tensors[3], self.weight if row_max else _or_empty(None, self.weight)],
+                    [self.bits, nv.n, self.k, row_max])
         if self.bits == 8 and amx is not None:
             return STACK_KIND_W8A16_AMX, tensors + [amx.packed], [self.max_m]
         if self.bits == 8:
@@ -438,7 +439,8 @@ class WeightOnlyGemv:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K] @ ((q - zero) * scale)^T (+ bias)`` -> x's dtype ``[..., N]``."""
         nv = self.nv
-        if nv is not None and x.dtype in (torch.bfloat16, torch.float16):
+        if (nv is not None and x.dtype in (torch.bfloat16, torch.float16)
+                and x.numel() > NV_ROW_MAX_M[self.bits] * self.k):
             return self.ops.wo_nv_linear(x, nv.packed, self.bits, nv.n, self.k, self.scale, self.zero, nv.scale,
                                          nv.zero_scale, bias)
         if self.bits == 8:
@@ -447,17 +449,18 @@ class WeightOnlyGemv:
 
 
 def prepare_wo_gemv(weight: torch.Tensor, bits: int, k: int, scale: torch.Tensor, zero: torch.Tensor | None,
-                    dtype: torch.dtype | None = None) -> WeightOnlyGemv | None:
+                    dtype: torch.dtype | None = None, nv_copy: bool = True) -> WeightOnlyGemv | None:
     """Weight-only kernel operands, None when not applicable (non-CPU, no kernels, int4 groups not a multiple of
     32 columns). ``weight``: int8 [N, K] values (bits 8) or already-packed nibble bytes uint8 [N, ceil(K/2)]
     (bits 4; int8 [N, K] values are packed here). ``dtype``: the model's dtype (a 16-bit one lets
-    :func:`~ascent.quantization.wo_nv.nv_applies` add the row-interleaved layout)."""
+    :func:`~ascent.quantization.wo_nv.nv_applies` add the row-interleaved layout; for int8 values a second copy,
+    made only with ``nv_copy``)."""
     ops = gemv_module(weight)
     groups = scale.shape[-1]
     if ops is None or (bits == 4 and groups > 1 and (k // groups) % 32):
         return None
     nv = None
-    if nv_applies(ops, bits, k, groups, dtype):
+    if (bits == 4 or nv_copy) and nv_applies(ops, bits, k, groups, dtype):
         # nibble bytes (little-endian words of pack_to_int32's layout) -> int8 values
         q = weight if weight.dtype == torch.int8 else unpack_from_int32(
             F.pad(weight, (0, -weight.shape[1] % 4)).contiguous().view(torch.int32), 4, k, dim=1)

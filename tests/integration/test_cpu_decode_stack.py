@@ -134,7 +134,7 @@ def test_quantized_stack_equals_module_path(tmp_path, monkeypatch, scheme, fmt, 
     assert fused == plain
 
 
-@pytest.mark.parametrize("scheme", ["w4a16", "w8a8_dynamic"])
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a8_dynamic", "w8a16"])
 def test_quantized_stack_beyond_four_rows_equals_module_path(tmp_path, monkeypatch, scheme):
     """Row-interleaved kernels (``quantization/wo_nv.py``, AVX512-VNNI CPUs) serve the stack's steps up to their own
     larger M ranges (17 rows here); elsewhere the stack steps back to the module path above the small-M range."""

@@ -197,7 +197,7 @@ def test_w4a16_takes_the_layout(ops, monkeypatch, symmetric, dtype):
         assert nv.scale.dtype == torch.float32  # the test's fp32 scales are no bf16 values: kept exact
         assert layer.wo_packed is None  # the int4pack copy is dropped: the kernels take its M range
         kind, tensors, ints = layer.quant_method.scheme.decode_stack_call(layer)
-        assert kind == kernels.STACK_KIND_WO_NV and ints == [4, N_OUT, K_IN] and len(tensors) == 6
+        assert kind == kernels.STACK_KIND_WO_NV and ints == [4, N_OUT, K_IN, 0] and tensors[6].numel() == 0
     for m in range(1, layer.wo_gemv.max_m + 1):
         x = torch.randn(m, K_IN, generator=gen(m)).to(dtype)
         assert_close(layer(x), layer.quant_method.apply_reference(layer, x, layer.bias))
@@ -219,13 +219,51 @@ def test_bf16_checkpoint_scales_stream_as_bf16(ops):
     assert prepare_nv(ops, q, 4, scale + 1e-7, None).scale.dtype == torch.float32
 
 
-def test_fp32_models_and_w8a16_keep_the_row_layout(ops):
-    assert w4a16_layer(torch.float32).wo_gemv.nv is None
+def w8a16_layer(params_dtype: torch.dtype, grouped: bool) -> torch.nn.Module:
     q8 = torch.randint(-128, 128, (N_OUT, K_IN), generator=gen(3), dtype=torch.int8)
-    layer = ReplicatedLinear(K_IN, N_OUT, bias=False, params_dtype=torch.bfloat16,
-                             quant_config=SpecConfig(QuantSpec("W8A16")))
-    load(layer, {"weight": q8, "weight_scale": torch.rand(N_OUT, 1, generator=gen(4)) * 0.01})
-    assert finish(layer).wo_gemv.nv is None
+    groups = 4 if grouped else 1
+    ck = {"weight": q8, "weight_scale": torch.rand(N_OUT, groups, generator=gen(4)) * 0.01}
+    spec = QuantSpec("W8A16", weight_strategy="group", group_size=K_IN // groups) if grouped else QuantSpec("W8A16")
+    if grouped:
+        ck["weight_offset"] = torch.randint(-3, 4, (N_OUT, groups), generator=gen(5)).float()
+    layer = ReplicatedLinear(K_IN, N_OUT, bias=True, params_dtype=params_dtype, quant_config=SpecConfig(spec))
+    load(layer, ck)
+    layer.bias.data.copy_(torch.randn(N_OUT, generator=gen(6)))
+    return finish(layer)
+
+
+def test_fp32_models_keep_the_row_layout(ops):
+    assert w4a16_layer(torch.float32).wo_gemv.nv is None
+    assert w8a16_layer(torch.float32, grouped=False).wo_gemv.nv is None
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_w8a16_keeps_rows_for_one_token_and_adds_the_layout_above(ops, grouped):
+    """W8A16 on a 16-bit model: the checkpoint's rows serve M = 1, a row-interleaved copy M = 2..WO_NV_MAX_M (on
+    VNNI CPUs without AMX-INT8 tiles for the layer), in the module path and the decode-stack call alike; the
+    dual-layout budget releases the copy (the rows then serve up to their own limit)."""
+    from ascent.layers.cpu_packing import limit_dual_layouts
+
+    layer = w8a16_layer(torch.bfloat16, grouped)
+    gemv = layer.wo_gemv
+    assert (gemv.nv is not None) == (has_vnni(ops) and layer.wo_amx is None)
+    if gemv.nv is None:
+        pytest.skip("no row-interleaved copy on this CPU (no VNNI, or AMX-INT8 tiles serve the layer)")
+    assert gemv.max_m == kernels.WO_NV_MAX_M
+    kind, tensors, ints = layer.quant_method.scheme.decode_stack_call(layer)
+    assert kind == kernels.STACK_KIND_WO_NV and ints == [8, N_OUT, K_IN, 1] and tensors[6] is gemv.weight
+    for m in (1, 2, 7, kernels.WO_NV_MAX_M):
+        x = torch.randn(m, K_IN, generator=gen(m)).bfloat16()
+        rows = ops.w8a16_linear(x, gemv.weight, gemv.scale, gemv.zero, layer.bias)
+        nv = ops.wo_nv_linear(x, gemv.nv.packed, 8, N_OUT, K_IN, gemv.scale, gemv.zero, gemv.nv.scale,
+                              gemv.nv.zero_scale, layer.bias)
+        assert torch.equal(layer(x), rows if m == 1 else nv), m
+        assert_close(layer(x), layer.quant_method.apply_reference(layer, x, layer.bias))
+    holder = torch.nn.Sequential(layer)
+    assert limit_dual_layouts(holder, budget_bytes=gemv.nv.packed.numel()) == gemv.nv.packed.numel()
+    assert limit_dual_layouts(holder, budget_bytes=gemv.nv.packed.numel() - 1) == 0
+    assert layer.wo_gemv.nv is None and layer.wo_gemv.max_m == kernels.WEIGHT_ONLY_GEMV_MAX_M[8]
+    assert layer.quant_method.scheme.decode_stack_call(layer)[0] == kernels.STACK_KIND_W8A16
 
 
 # ---- W8A8 dynamic on the layout (signed weight bytes) --------------------------------------------------------------

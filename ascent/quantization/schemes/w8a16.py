@@ -99,12 +99,12 @@ class WeightOnlyLinear(QuantLinearScheme):
         layer.wo_zero = self.zero_points(layer)
         layer.wo_dense = DenseWeightCache(lambda: self.dequantized_weight(layer))
         self.prepare_packed(layer)
-        layer.wo_gemv = self.prepare_gemv(layer)
         layer.wo_amx = None  # AMX-INT8 tiles for mid-sized M: int8 weights, per channel, no zero point, 16-bit model
-        if (self.bits == 8 and layer.wo_zero is None and layer.wo_scale.shape[1] == 1 and layer.wo_gemv is not None
+        if (self.bits == 8 and layer.wo_zero is None and layer.wo_scale.shape[1] == 1
                 and getattr(layer, "params_dtype", None) in (torch.bfloat16, torch.float16)):
-            layer.wo_amx = prepare_int8_amx(self.int_weight(layer))
+            layer.wo_amx = prepare_int8_amx(self.int_weight(layer))  # None without the kernels or AMX-INT8
             layer.wo_scale_vec = layer.wo_scale.reshape(-1).contiguous()
+        layer.wo_gemv = self.prepare_gemv(layer)  # (its row-interleaved int8 copy only where no AMX tiles are)
 
     def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:
         """How a C++ decode stack calls this linear's small-M kernel (``kernels.STACK_KIND_*``), None without it."""
@@ -122,7 +122,8 @@ class WeightOnlyLinear(QuantLinearScheme):
     def prepare_gemv(self, layer: nn.Module) -> WeightOnlyGemv | None:
         """Small-M kernel operands (``kernels.WeightOnlyGemv``), None when the kernels do not apply."""
         return prepare_wo_gemv(self.gemv_weight(layer), self.bits, self.input_size(layer), layer.wo_scale,
-                               layer.wo_zero, getattr(layer, "params_dtype", None))
+                               layer.wo_zero, getattr(layer, "params_dtype", None),
+                               nv_copy=getattr(layer, "wo_amx", None) is None)
 
     def input_size(self, layer: nn.Module) -> int:
         """K of this partition (from the stored weight)."""
