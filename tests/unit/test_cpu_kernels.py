@@ -170,3 +170,18 @@ def test_fused_ops_switch_off_by_environment(monkeypatch):
     assert cpu_kernels.fused_ops() is None
     monkeypatch.setenv("ASCENT_CPU_FUSED_OPS", "1")
     assert cpu_kernels.fused_ops() is not None
+
+
+def test_every_kernel_header_is_part_of_its_modules_build_hash():
+    """The build hash covers the bytes of every header a source includes, found from its ``#include "..."`` lines
+    (directly or through another source), so editing any header rebuilds the modules that use it."""
+    from pathlib import Path
+
+    from ascent.layers.cpu_kernels import _included
+
+    kernel_dir = Path(_included.__code__.co_filename).parent
+    headers = {p.name for p in kernel_dir.glob("*.h")}
+    covered = {name for source in kernel_dir.glob("*.cpp") for name in _included(source.name)}
+    assert headers <= covered, sorted(headers - covered)
+    assert {"quant_wo_nv.h", "quant_int8_nv.h", "gemv_cpu.cpp", "avx512_bf16.h"} <= set(_included("decode_stack_cpu.cpp"))
+    assert _included("gemv_cpu.cpp") == []

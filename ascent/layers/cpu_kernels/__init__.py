@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -37,24 +38,21 @@ def _compile_flags() -> list[str]:
     return ["-O3", "-fopenmp"] + (["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"] if avx2 else [])
 
 
-# The kernel sources each source #includes directly (their bytes, and their own includes', are part of the build hash).
-_INCLUDES: dict[str, tuple[str, ...]] = {
-    "fused_cpu.cpp": ("amx_tiles.h", "avx512_bf16.h", "avx2_bf16.h", "avx512_attention.h", "amx_attention.h",
-                      "avx512_prefill_attention.h"),
-    "amx_linear_cpu.cpp": ("amx_tiles.h",),
-    "quant_gemv_cpu.cpp": ("amx_tiles.h", "quant_wo_blocks.h", "quant_wo_bf16.h", "quant_wo_fma8.h",
-                           "quant_wo_vnni.h", "quant_int8_blocks.h", "quant_amx_int8.h", "quant_amx_ops.h"),
-    "decode_stack_cpu.cpp": ("fused_cpu.cpp", "gemv_cpu.cpp", "quant_gemv_cpu.cpp", "amx_linear_cpu.cpp"),
-}
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
 def _included(source_name: str) -> list[str]:
-    """Every kernel source ``source_name`` includes, directly or through another, once each."""
+    """Every kernel source of this directory that ``source_name`` #includes (``#include "..."``), directly or through
+    another, once each: their bytes are part of the build hash, so editing any header rebuilds its modules."""
     found: list[str] = []
-    for name in _INCLUDES.get(source_name, ()):
-        for item in (name, *_included(name)):
-            if item not in found:
-                found.append(item)
+    pending = [source_name]
+    while pending:
+        text = Path(__file__).with_name(pending.pop()).read_bytes()
+        for match in _LOCAL_INCLUDE.finditer(text):
+            name = match.group(1).decode()
+            if name not in found and name != source_name:
+                found.append(name)
+                pending.append(name)
     return found
 
 
