@@ -191,9 +191,8 @@ class DecoderModel(nn.Module):
         if stack is None:
             stack = self._decode_stack = CpuDecodeStack(self)
         stacked = stack.forward(hidden_states, positions)
-        if stacked is not None:  # every layer in one C++ call (decode-only CPU step)
-            hidden_states, _ = self.norm(*stacked)
-            return hidden_states
+        if stacked is not None:  # every layer and the final norm in one C++ call (decode-only CPU step)
+            return stacked
         return self._forward_module_layers(hidden_states, positions)
 
     def _forward_module_layers(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

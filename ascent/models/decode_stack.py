@@ -139,6 +139,9 @@ class CpuDecodeStack:
             return False
         self.max_tokens = min(max_tokens_of(linear_call(m)[0]) for layer in model.layers for m in _projections(layer))
         self._dtype = model.layers[0].input_layernorm.weight.dtype
+        norm = model.norm  # the final norm joins the C++ call where the fused kernel would run it anyway
+        self._final_norm = (norm.weight if getattr(norm, "bias", None) is None and getattr(norm, "_fused", None)
+                            is not None and norm.weight.dtype is self._dtype else None)
         self._attention = [layer.self_attn.attn for layer in model.layers]
         return True
 
@@ -170,9 +173,10 @@ class CpuDecodeStack:
             return None
         return md
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``hidden [T, H]`` embeddings -> ``(hidden, residual)`` after the last layer, or None when this step must
-        run the modules. Call inside the rotary ``step_cache(positions)``."""
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """``hidden [T, H]`` embeddings -> the model's final hidden states ``[T, H]`` (after the last layer and
+        the final norm), or None when this step must run the modules. Call inside the rotary
+        ``step_cache(positions)``."""
         if not self._eligible or hidden.device.type != "cpu":
             return None
         if hidden.dtype is not self._dtype:
@@ -188,7 +192,10 @@ class CpuDecodeStack:
         rows = self.model.rotary_emb._rows(positions)
         if rows.dtype is not hidden.dtype:
             return None
-        hidden, residual = self._stack.forward(hidden, rows, md.write_slots, md.decode_slots, md.decode_seq_lens)
+        hidden, residual = self._stack.forward(hidden, rows, md.write_slots, md.decode_slots, md.decode_seq_lens,
+                                               self._final_norm, float(self.model.norm.eps))
+        if self._final_norm is None:
+            hidden, _ = self.model.norm(hidden, residual)
         self.steps_run += 1
         self.largest_step = max(self.largest_step, hidden.shape[0])
-        return hidden, residual
+        return hidden

@@ -219,10 +219,13 @@ class DecodeStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // hidden [T, H] (embeddings), cos_sin [T, 2 * rotary_dim] (the rotary cache rows of the positions), write_slots
-  // int64 [T], decode_slots int64 [T, L], seq_lens int64 [T] -> (hidden, residual), each [T, H], before the final
-  // norm; every token is a decode token (one per request, rows in metadata order).
+  // int64 [T], decode_slots int64 [T, L], seq_lens int64 [T] -> (hidden, residual), each [T, H]; every token is a
+  // decode token (one per request, rows in metadata order). With final_norm ([H], eps final_eps) hidden is the final
+  // norm of hidden + residual and residual that sum (RMSNorm.forward(hidden, residual)); else both as the last layer
+  // left them.
   std::vector<at::Tensor> forward(const at::Tensor& embeddings, const at::Tensor& cos_sin, const at::Tensor& write_slots,
-                                  const at::Tensor& decode_slots, const at::Tensor& seq_lens) const {
+                                  const at::Tensor& decode_slots, const at::Tensor& seq_lens,
+                                  const c10::optional<at::Tensor>& final_norm, double final_eps) const {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers");
     const int64_t q = heads_ * d_, kv = kv_heads_ * d_;
     at::Tensor hidden = embeddings, residual, normed;
@@ -258,6 +261,7 @@ class DecodeStack {
       residual = pair[1];
       hidden = l.down(silu_and_mul(l.gate_up(pair[0])));
     }
+    if (final_norm.has_value()) return add_rms_norm(hidden, residual, *final_norm, final_eps);
     return {hidden, residual};
   }
 
@@ -276,5 +280,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("neox"))
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
-      .def("forward", &DecodeStack::forward);
+      .def("forward", &DecodeStack::forward, py::arg("embeddings"), py::arg("cos_sin"), py::arg("write_slots"),
+           py::arg("decode_slots"), py::arg("seq_lens"), py::arg("final_norm") = py::none(),
+           py::arg("final_eps") = 0.0);
 }
