@@ -12,9 +12,10 @@ layout reads the checkpoint's bytes in place and the int4pack copy is dropped, s
 its row layout (the checkpoint tensor) for M = 1, where it is faster, and adds this one as a second copy (+1 byte
 per weight, counted by ``cpu_packing.limit_dual_layouts``) for 2 <= M <= ``kernels.WO_NV_MAX_M`` unless AMX-INT8
 tiles serve those M: without it a batch of 5-32 decodes ran the dequantized dense weight through the module path
-(SmolLM2 at batch 32: 0.76-0.88x bf16). W8A8 dynamic (``quant_int8_nv.h``, signed weight bytes, bit-identical to the row kernel) adds the layout
-as a second copy on VNNI CPUs without AMX-INT8, for M up to ``kernels.INT8_NV_MAX_M`` (1.2x the row kernel at M=1,
-1.7x at M=16, 1.9x quantize + ``_int_mm`` at M=32). ``ASCENT_QUANT_NV=0`` (read at load) keeps the row layouts.
+(SmolLM2 at batch 32: 0.76-0.88x bf16). W8A8 dynamic (``quant_int8_nv.h``, signed weight bytes, bit-identical to
+the row kernel) adds the layout as a second copy on VNNI CPUs without AMX-INT8, for M up to
+``kernels.INT8_NV_MAX_M`` (1.2x the row kernel at M=1, 1.7x at M=16, 1.9x quantize + ``_int_mm`` at M=32).
+``ASCENT_QUANT_NV=0`` (read at load) keeps the row layouts only.
 """
 
 from __future__ import annotations

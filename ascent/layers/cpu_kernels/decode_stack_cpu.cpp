@@ -122,8 +122,9 @@ struct LinearCall {
   }
 
   static LinearCall make(int64_t kind, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
-    const size_t want_tensors =
-        kind == kWoNv ? 7 : (kind == kW8A8StaticAmx || kind == kW8A16Amx ? 5 : (kind == kW8A8Static || kind == kW8A8StaticNv ? 6 : 4));
+    const size_t want_tensors = kind == kWoNv ? 7
+                                : kind == kW8A8StaticAmx || kind == kW8A16Amx ? 5
+                                : kind == kW8A8Static || kind == kW8A8StaticNv ? 6 : 4;
     const size_t want_ints = kind == kDense ? 2 : (kind == kW4A16 || kind == kW8A16Amx ? 1 : (kind == kWoNv ? 4 : 0));
     TORCH_CHECK(kind >= kDense && kind <= kW8A8StaticNv && tensors.size() == want_tensors &&
                     ints.size() == want_ints,
