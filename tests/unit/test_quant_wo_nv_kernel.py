@@ -300,6 +300,24 @@ def test_w8a8_nv_bit_identical(ops, dtype, m, k):
             assert torch.equal(ops.w8a8_static_linear_nv(x, packed, row_sum, 0.02, 3.0, deq, qb, b), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_w8a8_dynamic_rows_with_nan_or_inf_give_nan_rows(ops, dtype):
+    """A NaN or inf in an activation row makes that row's outputs NaN in the row and row-interleaved kernels alike,
+    as dequantize -> matmul does (its per-token scale is then NaN / inf); the other rows keep their exact values."""
+    if not has_vnni(ops):
+        pytest.skip("the W8A8 row-interleaved kernel needs AVX512-VNNI")
+    g = gen(31)
+    x = torch.randn(4, 576, generator=g).to(dtype)
+    x[1, 5], x[2, 7], x[3, 575] = float("nan"), float("inf"), float("-inf")
+    q = torch.randint(-128, 128, (130, 576), generator=g, dtype=torch.int8)
+    row_sum, w_scale = q.sum(1, dtype=torch.int32), torch.rand(130, generator=g) * 0.01
+    expected = kernels.int8_linear_dynamic(x, q.t(), w_scale, None)
+    assert torch.isnan(expected[1:]).all() and not torch.isnan(expected[0]).any()
+    for y in (ops.w8a8_dynamic_linear_nv(x, ops.wo_nv_pack(q, 8, 0), row_sum, w_scale, None),
+              ops.w8a8_dynamic_linear(x, q, row_sum, w_scale, None)):
+        assert torch.isnan(y[1:]).all() and torch.equal(y[0], expected[0])
+
+
 def w8a8_layer(params_dtype: torch.dtype) -> torch.nn.Module:
     g = gen(21)
     ck = {"weight": torch.randint(-128, 128, (N_OUT, K_IN), generator=g, dtype=torch.int8),

@@ -332,11 +332,10 @@ void quantize_rows_dynamic(const at::Tensor& x, int64_t k, int64_t ldx, bool vnn
   sx.assign(static_cast<size_t>(m_rows), 0.f);
   for (int64_t m = 0; m < m_rows; ++m) {
     const float* p = xf.data() + m * k;
-    float amax = 0.f;
-    if (use_avx512()) {
-      amax = amax_avx512(p, k);
-    } else {
-      for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(p[j]));
+    const float amax = use_avx512() ? amax_avx512(p, k) : amax_scalar(p, k);
+    if (!std::isfinite(amax)) {  // a NaN / inf in the row: its outputs are NaN, as dequantize -> matmul gives
+      sx[m] = std::numeric_limits<float>::quiet_NaN();
+      continue;
     }
     sx[m] = amax / 127.f;
     const float div = sx[m] > 0.f ? sx[m] : 1.f;

@@ -101,13 +101,28 @@ at::Tensor int8_linear(const at::Tensor& x, const std::vector<uint8_t>& xq, int6
 // q (int8 value) -> stored byte: q + 128 for VNNI (u8 operand), the two's-complement bits otherwise.
 inline uint8_t stored(int32_t q, bool vnni) { return static_cast<uint8_t>(vnni ? q + 128 : q); }
 
+// max |p[j]|, NaN when a p[j] is NaN (max alone would skip it).
+inline float amax_scalar(const float* p, int64_t k) {
+  float r = 0.f;
+  for (int64_t j = 0; j < k; ++j) {
+    if (std::isnan(p[j])) return p[j];
+    r = std::max(r, std::fabs(p[j]));
+  }
+  return r;
+}
+
 __attribute__((target("avx512f"))) float amax_avx512(const float* p, int64_t k) {
   __m512 mx = _mm512_setzero_ps();
+  __mmask16 nan = 0;
   int64_t j = 0;
-  for (; j + 16 <= k; j += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(p + j)));
+  for (; j + 16 <= k; j += 16) {
+    const __m512 v = _mm512_loadu_ps(p + j);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+  }
   float r = _mm512_reduce_max_ps(mx);
-  for (; j < k; ++j) r = std::max(r, std::fabs(p[j]));
-  return r;
+  for (; j < k; ++j) r = std::isnan(p[j]) ? p[j] : std::max(r, std::fabs(p[j]));
+  return nan ? std::numeric_limits<float>::quiet_NaN() : r;
 }
 
 // out[j] = stored(clamp(nearbyint(p[j] / div), -128, 127)): IEEE division and round-half-even as the scalar path.
