@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ascent.layers.cpu_packing import pack_linear_weight, packed_linear
 from ascent.platform.ops_utils import symmetric_quant
 from ascent.quantization.packing import unpack_from_int32
-from ascent.quantization.wo_nv import NV_ROW_MAX_M, NvLayout, int8_nv_applies, nv_applies, prepare_nv
+from ascent.quantization.wo_nv import NvLayout, int8_nv_applies, nv_applies, prepare_nv
 
 REFERENCE_ENV = "ASCENT_QUANT_REFERENCE"
 # Weight-only packed kernels vs the dequantize-once dense weight (bf16, oneDNN-packed), measured once on this
@@ -426,10 +426,9 @@ class WeightOnlyGemv:
         :data:`STACK_KIND_W8A16_AMX` with ``amx``)."""
         tensors = [self.weight, self.scale, _or_empty(self.zero, self.scale), _or_empty(bias, self.scale)]
         if self.nv is not None:
-            nv, row_max = self.nv, NV_ROW_MAX_M[self.bits]
+            nv = self.nv
             return (STACK_KIND_WO_NV, [nv.packed, self.scale, tensors[2], nv.scale, _or_empty(nv.zero_scale, nv.scale),
-                                       tensors[3], self.weight if row_max else _or_empty(None, self.weight)],
-                    [self.bits, nv.n, self.k, row_max])
+                                       tensors[3]], [self.bits, nv.n, self.k])
         if self.bits == 8 and amx is not None:
             return STACK_KIND_W8A16_AMX, tensors + [amx.packed], [self.max_m]
         if self.bits == 8:
@@ -439,8 +438,7 @@ class WeightOnlyGemv:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K] @ ((q - zero) * scale)^T (+ bias)`` -> x's dtype ``[..., N]``."""
         nv = self.nv
-        if (nv is not None and x.dtype in (torch.bfloat16, torch.float16)
-                and x.numel() > NV_ROW_MAX_M[self.bits] * self.k):
+        if nv is not None and x.dtype in (torch.bfloat16, torch.float16):
             return self.ops.wo_nv_linear(x, nv.packed, self.bits, nv.n, self.k, self.scale, self.zero, nv.scale,
                                          nv.zero_scale, bias)
         if self.bits == 8:

@@ -5,13 +5,15 @@ weight is repacked once at load (``wo_nv_pack``), scales and zero points are rea
 Measured on the Zen 4 CPU (AVX512-VNNI, no AMX; 2 threads, the 120 linears of a SmolLM2-135M decode step,
 DRAM-resident, interleaved minima, ms, row layout (``quant_wo_vnni.h``) vs this one):
   W4A16 group 64:   M=1 3.78 vs 3.19;  M=2 4.95 vs 3.76;  M=4 8.97 vs 6.38;
-  W8A16 per channel: M=1 5.31 vs 5.59;  M=2 6.31 vs 6.19;  M=4 11.10 vs 8.81.
+  W8A16 per channel: M=1 5.31 vs 5.59;  M=2 6.31 vs 6.19;  M=4 11.10 vs 8.81 (before the scale-dtype template fix;
+  after it, M=1: 4.70 vs 4.42 and 5.44 vs 4.93 per channel, 6.59 vs 5.08 and 6.40 vs 5.54 with group-64 fp32 scales
+  and zero points).
 Cache-resident the new layout is 1.4-2.5x faster (W4A16) and 1.2-1.7x (W8A16): a decode GEMV from DRAM is bound
 by the memory system, not by these instructions. W4A16 takes this layout on VNNI CPUs with a 16-bit model (its row
-layout reads the checkpoint's bytes in place and the int4pack copy is dropped, so memory is unchanged). W8A16 keeps
-its row layout (the checkpoint tensor) for M = 1, where it is faster, and adds this one as a second copy (+1 byte
-per weight, counted by ``cpu_packing.limit_dual_layouts``) for 2 <= M <= ``kernels.WO_NV_MAX_M`` unless AMX-INT8
-tiles serve those M: without it a batch of 5-32 decodes ran the dequantized dense weight through the module path
+layout reads the checkpoint's bytes in place and the int4pack copy is dropped, so memory is unchanged). W8A16 adds
+this one as a second copy beside its checkpoint rows (+1 byte per weight, counted by
+``cpu_packing.limit_dual_layouts``, which falls back to the rows) for M up to ``kernels.WO_NV_MAX_M`` unless AMX-INT8
+tiles serve the layer: without it a batch of 5-32 decodes ran the dequantized dense weight through the module path
 (SmolLM2 at batch 32: 0.76-0.88x bf16). W8A8 dynamic (``quant_int8_nv.h``, signed weight bytes, bit-identical to
 the row kernel) adds the layout as a second copy on VNNI CPUs without AMX-INT8, for M up to
 ``kernels.INT8_NV_MAX_M`` (1.2x the row kernel at M=1, 1.7x at M=16, 1.9x quantize + ``_int_mm`` at M=32).
@@ -28,8 +30,6 @@ import torch
 
 NV_ROWS = 64
 NV_BITS = (4, 8)
-# With both layouts kept (W8A16), M up to this takes the row kernel (M = 1: 5.31 vs 5.59 ms above).
-NV_ROW_MAX_M = {4: 0, 8: 1}
 NV_ENV = "ASCENT_QUANT_NV"
 
 

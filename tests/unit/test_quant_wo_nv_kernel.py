@@ -197,7 +197,7 @@ def test_w4a16_takes_the_layout(ops, monkeypatch, symmetric, dtype):
         assert nv.scale.dtype == torch.float32  # the test's fp32 scales are no bf16 values: kept exact
         assert layer.wo_packed is None  # the int4pack copy is dropped: the kernels take its M range
         kind, tensors, ints = layer.quant_method.scheme.decode_stack_call(layer)
-        assert kind == kernels.STACK_KIND_WO_NV and ints == [4, N_OUT, K_IN, 0] and tensors[6].numel() == 0
+        assert kind == kernels.STACK_KIND_WO_NV and ints == [4, N_OUT, K_IN] and len(tensors) == 6
     for m in range(1, layer.wo_gemv.max_m + 1):
         x = torch.randn(m, K_IN, generator=gen(m)).to(dtype)
         assert_close(layer(x), layer.quant_method.apply_reference(layer, x, layer.bias))
@@ -238,8 +238,8 @@ def test_fp32_models_keep_the_row_layout(ops):
 
 
 @pytest.mark.parametrize("grouped", [False, True])
-def test_w8a16_keeps_rows_for_one_token_and_adds_the_layout_above(ops, grouped):
-    """W8A16 on a 16-bit model: the checkpoint's rows serve M = 1, a row-interleaved copy M = 2..WO_NV_MAX_M (on
+def test_w8a16_adds_the_layout_as_a_second_copy(ops, grouped):
+    """W8A16 on a 16-bit model: a row-interleaved copy beside the checkpoint's rows serves M = 1..WO_NV_MAX_M (on
     VNNI CPUs without AMX-INT8 tiles for the layer), in the module path and the decode-stack call alike; the
     dual-layout budget releases the copy (the rows then serve up to their own limit)."""
     from ascent.layers.cpu_packing import limit_dual_layouts
@@ -251,13 +251,12 @@ def test_w8a16_keeps_rows_for_one_token_and_adds_the_layout_above(ops, grouped):
         pytest.skip("no row-interleaved copy on this CPU (no VNNI, or AMX-INT8 tiles serve the layer)")
     assert gemv.max_m == kernels.WO_NV_MAX_M
     kind, tensors, ints = layer.quant_method.scheme.decode_stack_call(layer)
-    assert kind == kernels.STACK_KIND_WO_NV and ints == [8, N_OUT, K_IN, 1] and tensors[6] is gemv.weight
+    assert kind == kernels.STACK_KIND_WO_NV and ints == [8, N_OUT, K_IN] and tensors[0] is gemv.nv.packed
     for m in (1, 2, 7, kernels.WO_NV_MAX_M):
         x = torch.randn(m, K_IN, generator=gen(m)).bfloat16()
-        rows = ops.w8a16_linear(x, gemv.weight, gemv.scale, gemv.zero, layer.bias)
         nv = ops.wo_nv_linear(x, gemv.nv.packed, 8, N_OUT, K_IN, gemv.scale, gemv.zero, gemv.nv.scale,
                               gemv.nv.zero_scale, layer.bias)
-        assert torch.equal(layer(x), rows if m == 1 else nv), m
+        assert torch.equal(layer(x), nv), m
         assert_close(layer(x), layer.quant_method.apply_reference(layer, x, layer.bias))
     holder = torch.nn.Sequential(layer)
     assert limit_dual_layouts(holder, budget_bytes=gemv.nv.packed.numel()) == gemv.nv.packed.numel()

@@ -70,8 +70,7 @@ struct LinearCall {
   // input_offset]]; kW8A16Amx: kW8A16's tensors and the AMX-INT8 packed weight, ints [small-M row limit] (the
   // small-M kernel up to it, the AMX one above); kW8A8Static: [weight int8 [N, K], row_sum, deq, quant_bias, bias,
   // fp32 [input_scale, input_offset]]; kWoNv: [packed (wo_nv_pack), scale [N, G], zero [N, G], scale_nv, zero * scale
-  // nv, bias, row-layout int8 weight [N, K]] with ints [bits, N, K, M up to which the row weight serves (0: none, and
-  // the weight empty; bits 8 only)]; kW8A8DynamicNv / kW8A8StaticNv: kW8A8Dynamic's / kW8A8Static's with the weight
+  // nv, bias] with ints [bits, N, K]; kW8A8DynamicNv / kW8A8StaticNv: kW8A8Dynamic's / kW8A8Static's with the weight
   // packed (wo_nv_pack offset 0).
   // See quantization/kernels.py.
   std::vector<at::Tensor> tensors;
@@ -113,8 +112,6 @@ struct LinearCall {
                                                    optional_tensor(t[4]));
       }
       case kWoNv:
-        if (x.size(0) <= ints[3])
-          return ascent_quant::w8a16_linear(x, t[6], t[1], optional_tensor(t[2]), optional_tensor(t[5]));
         return ascent_quant::wo_nv_linear_impl(x, t[0], ints[0], ints[1], ints[2], t[1], optional_tensor(t[2]), t[3],
                                                optional_tensor(t[4]), optional_tensor(t[5]));
       default: TORCH_CHECK(false, "DecodeStack: unknown linear kind ", kind);
@@ -122,10 +119,9 @@ struct LinearCall {
   }
 
   static LinearCall make(int64_t kind, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
-    const size_t want_tensors = kind == kWoNv ? 7
-                                : kind == kW8A8StaticAmx || kind == kW8A16Amx ? 5
-                                : kind == kW8A8Static || kind == kW8A8StaticNv ? 6 : 4;
-    const size_t want_ints = kind == kDense ? 2 : (kind == kW4A16 || kind == kW8A16Amx ? 1 : (kind == kWoNv ? 4 : 0));
+    const size_t want_tensors = kind == kW8A8StaticAmx || kind == kW8A16Amx ? 5
+                                : kind == kW8A8Static || kind == kWoNv || kind == kW8A8StaticNv ? 6 : 4;
+    const size_t want_ints = kind == kDense ? 2 : (kind == kW4A16 || kind == kW8A16Amx ? 1 : (kind == kWoNv ? 3 : 0));
     TORCH_CHECK(kind >= kDense && kind <= kW8A8StaticNv && tensors.size() == want_tensors &&
                     ints.size() == want_ints,
                 "DecodeStack: linear kind ", kind, " with ", tensors.size(), " tensors / ", ints.size(), " ints");
@@ -134,8 +130,6 @@ struct LinearCall {
     TORCH_CHECK(tensors[0].dim() == (amx || nv ? 4 : 2) ||
                     (kind == kDense && ints[0] == 0),
                 "DecodeStack: weight operand of kind ", kind, " has ", tensors[0].dim(), " dims");
-    TORCH_CHECK(kind != kWoNv || ints[3] == 0 || (ints[0] == 8 && tensors[6].dim() == 2),
-                "DecodeStack: a row-layout fallback of kind ", kind, " needs bits 8 and an int8 [N, K] weight");
     if (kind == kW8A8StaticAmx || kind == kW8A8Static || kind == kW8A8StaticNv) {
       const at::Tensor& so = tensors.back();
       TORCH_CHECK(so.scalar_type() == at::kFloat && so.numel() == 2 && so.is_contiguous(),
