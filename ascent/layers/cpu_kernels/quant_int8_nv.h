@@ -36,16 +36,15 @@ using Int8NvFn = void (*)(const uint8_t*, int64_t, const uint8_t*, int64_t, int6
 // operations and order (so bit-identical to them): a = acc - 128 row_sum, then
 //   dynamic: y = (float(a) * sx) * w_scale[j] (+ bias[j]);   static: y = float(a + quant_bias[j]) * deq[j] (+ bias[j]).
 // (A per-element scalar epilogue and store had cost ~10 % of a batch-1 W8A8 call.)
-__attribute__((target("avx512f"))) inline __m512 nv_int8_sums(const int32_t* acc, const int32_t* row_sum) {
-  const __m512i a = _mm512_sub_epi32(_mm512_loadu_si512(acc), _mm512_slli_epi32(_mm512_loadu_si512(row_sum), 7));
-  return _mm512_cvtepi32_ps(a);
+__attribute__((target("avx512f"))) inline __m512i nv_int8_sums(const int32_t* acc, const int32_t* row_sum) {
+  return _mm512_sub_epi32(_mm512_loadu_si512(acc), _mm512_slli_epi32(_mm512_loadu_si512(row_sum), 7));
 }
 
 __attribute__((target("avx512f"))) void nv_epilogue_dynamic(const int32_t* acc, const int32_t* row_sum, float sx,
                                                             const float* w_scale, const float* bias, float* y) {
   for (int b = 0; b < 4; ++b) {
-    __m512 v = _mm512_mul_ps(_mm512_mul_ps(nv_int8_sums(acc + 16 * b, row_sum + 16 * b), _mm512_set1_ps(sx)),
-                             _mm512_loadu_ps(w_scale + 16 * b));
+    const __m512 a = _mm512_cvtepi32_ps(nv_int8_sums(acc + 16 * b, row_sum + 16 * b));
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(a, _mm512_set1_ps(sx)), _mm512_loadu_ps(w_scale + 16 * b));
     if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * b));
     _mm512_storeu_ps(y + 16 * b, v);
   }
@@ -55,8 +54,7 @@ __attribute__((target("avx512f"))) void nv_epilogue_static(const int32_t* acc, c
                                                            const int32_t* quant_bias, const float* deq,
                                                            const float* bias, float* y) {
   for (int b = 0; b < 4; ++b) {
-    __m512i a = _mm512_sub_epi32(_mm512_loadu_si512(acc + 16 * b),
-                                 _mm512_slli_epi32(_mm512_loadu_si512(row_sum + 16 * b), 7));
+    __m512i a = nv_int8_sums(acc + 16 * b, row_sum + 16 * b);
     if (quant_bias != nullptr) a = _mm512_add_epi32(a, _mm512_loadu_si512(quant_bias + 16 * b));
     __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_loadu_ps(deq + 16 * b));
     if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + 16 * b));
