@@ -1,7 +1,8 @@
 """Per-request block tables and slot mapping on the worker (engine_core spec §2.4).
 
 Host-side state is numpy (``block_table_np`` int32 [max_num_reqs, max_num_blocks_per_req],
-``num_blocks_per_row`` int32 [max_num_reqs]); the device copy is refreshed by :meth:`BlockTable.get_device_tensor`.
+``num_blocks_per_row`` int32 [max_num_reqs]); the device copy is refreshed by :meth:`BlockTable.get_device_tensor`
+(on CPU it is a view of the host table).
 
 Slot of token ``pos`` of row ``req`` (kernel block size ``bs``, DCP world ``D``, rank ``r``, interleave ``I``):
 ``vb = pos // (bs*D)``, ``off = pos % (bs*D)``; local iff ``(off // I) % D == r``; then
@@ -64,9 +65,9 @@ class BlockTable:
         self.slot_mapping_dtype = slot_mapping_dtype
         self.block_table_np = np.zeros((max_num_reqs, self.max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
-        self._device_table = torch.zeros(
-            (max_num_reqs, self.max_num_blocks_per_req), dtype=torch.int32, device=self.device
-        )
+        # On CPU the "device" table is a view of block_table_np itself, so a step copies nothing.
+        self._device_table = (torch.from_numpy(self.block_table_np) if self.device.type == "cpu" else torch.zeros(
+            (max_num_reqs, self.max_num_blocks_per_req), dtype=torch.int32, device=self.device))
 
     # --- row edits -------------------------------------------------------------------------------------------------
     def add_row(self, block_ids: Sequence[int], row: int) -> None:
@@ -121,6 +122,10 @@ class BlockTable:
         if req.shape != pos.shape:
             raise ValueError(f"req_indices {req.shape} and positions {pos.shape} must have the same length.")
         bs, d, inter = self.block_size, self.dcp_world_size, self.cp_kv_cache_interleave_size
+        if d == 1 and (req.size == 0 or int(req.min()) >= 0):  # no padding tokens, no DCP: the direct formula
+            virtual_block = pos // bs
+            self._check_lookup(req, pos, virtual_block)
+            return self.block_table_np[req, virtual_block].astype(np.int64) * bs + pos % bs
         valid = req >= 0
         rows = np.where(valid, req, 0)
         virtual_block = pos // (bs * d)
@@ -140,10 +145,12 @@ class BlockTable:
         return torch.from_numpy(slots).to(device=self.device, dtype=self.slot_mapping_dtype)
 
     def get_device_tensor(self, num_reqs: int) -> torch.Tensor:
-        """int32 [num_reqs, max_num_blocks_per_req] device copy of the first ``num_reqs`` rows."""
+        """int32 [num_reqs, max_num_blocks_per_req] device copy of the first ``num_reqs`` rows (on CPU a view of the
+        host table: valid until the rows are next edited, i.e. for the step it was taken for)."""
         if not 0 <= num_reqs <= self.max_num_reqs:
             raise ValueError(f"num_reqs must be in [0, {self.max_num_reqs}], got {num_reqs}.")
-        self._device_table[:num_reqs].copy_(torch.from_numpy(self.block_table_np[:num_reqs]), non_blocking=True)
+        if self.device.type != "cpu":
+            self._device_table[:num_reqs].copy_(torch.from_numpy(self.block_table_np[:num_reqs]), non_blocking=True)
         return self._device_table[:num_reqs]
 
     # --- helpers ---------------------------------------------------------------------------------------------------

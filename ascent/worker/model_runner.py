@@ -144,32 +144,38 @@ class ModelRunner:
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int32)[order]
         req_ids = [batch.req_ids[r] for r in rows]
         num_reqs = len(rows)
-        qsl = np.zeros(num_reqs + 1, dtype=np.int32)
-        np.cumsum(num_sched, out=qsl[1:])
-        total = int(qsl[-1])
-        req_idx = np.repeat(np.arange(num_reqs), num_sched)
         computed = batch.num_computed_tokens[rows]
-        positions = (computed[req_idx] + np.arange(total) - qsl[req_idx]).astype(np.int64)
-        token_rows = rows[req_idx]
+        max_query_len = int(num_sched.max())
+        if max_query_len == 1 and so.total_num_scheduled_tokens == num_reqs:  # one token each (a decode step)
+            qsl = np.arange(num_reqs + 1, dtype=np.int32)
+            total, positions, token_rows = num_reqs, computed.astype(np.int64), rows
+        else:
+            qsl = np.zeros(num_reqs + 1, dtype=np.int32)
+            np.cumsum(num_sched, out=qsl[1:])
+            total = int(qsl[-1])
+            req_idx = np.repeat(np.arange(num_reqs), num_sched)
+            positions = (computed[req_idx] + np.arange(total) - qsl[req_idx]).astype(np.int64)
+            token_rows = rows[req_idx]
         input_ids = batch.token_ids[token_rows, positions]
         slot_mapping = batch.block_table.compute_slot_mapping(token_rows, positions)
         seq_lens = (computed + num_sched).astype(np.int32)
+        computed = computed.astype(np.int32)
         block_table = batch.block_table.get_device_tensor(batch.num_reqs)
-        if num_reqs != batch.num_reqs or not np.array_equal(rows, np.arange(num_reqs)):
+        if num_reqs != batch.num_reqs or (num_reqs and int(rows[-1]) != num_reqs - 1):  # rows: sorted, distinct
             block_table = block_table[torch.from_numpy(rows).to(self.device)]
         dev = self.device
         common = CommonAttentionMetadata(
             query_start_loc=torch.from_numpy(qsl).to(dev),
             seq_lens=torch.from_numpy(seq_lens).to(dev),
-            num_computed_tokens=torch.from_numpy(computed.astype(np.int32)).to(dev),
+            num_computed_tokens=torch.from_numpy(computed).to(dev),
             block_table=block_table,
             slot_mapping=torch.from_numpy(slot_mapping).to(dev, self.profile.slot_mapping_dtype),
             query_start_loc_np=qsl,
             seq_lens_np=seq_lens,
-            num_computed_tokens_np=computed.astype(np.int32),
+            num_computed_tokens_np=computed,
             num_reqs=num_reqs,
             num_actual_tokens=total,
-            max_query_len=int(num_sched.max()),
+            max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
             block_size=self.block_size,
         )
@@ -207,16 +213,22 @@ class ModelRunner:
             hidden = self.model(inp.input_ids, inp.positions)
         # Only requests whose known tokens are all computed sample; a partial prefill chunk does not (its logits
         # are never computed and its generator does not advance).
-        drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in inp.req_ids]
-        num_drafts = np.fromiter((len(d) for d in drafts), dtype=np.int32, count=len(drafts))
-        sampling = np.nonzero(inp.common.seq_lens_np - num_drafts >= self.input_batch.num_tokens[inp.rows])[0]
+        spec_tokens = so.scheduled_spec_decode_tokens
+        drafts = [spec_tokens.get(r, []) for r in inp.req_ids] if spec_tokens else None
+        known = inp.common.seq_lens_np
+        if drafts is not None:
+            num_drafts = np.fromiter((len(d) for d in drafts), dtype=np.int32, count=len(drafts))
+            known = known - num_drafts
+        sampling = np.nonzero(known >= self.input_batch.num_tokens[inp.rows])[0]
         output = ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in inp.req_ids])
-        if len(sampling) and num_drafts[sampling].any():
+        if drafts is not None and len(sampling) and num_drafts[sampling].any():
             self._verify_drafts(inp, sampling, hidden, [drafts[i] for i in sampling], output)
         elif len(sampling):
-            last_idx = torch.from_numpy(inp.query_start_loc[sampling + 1].astype(np.int64) - 1).to(self.device)
-            logits = self.model.compute_logits(hidden[last_idx])
-            self._sample(inp, sampling, logits, output)
+            last_rows = hidden  # every row is then one sampling request's only token
+            if len(sampling) < inp.common.num_actual_tokens:
+                last_idx = torch.from_numpy(inp.query_start_loc[sampling + 1].astype(np.int64) - 1).to(self.device)
+                last_rows = hidden[last_idx]
+            self._sample(inp, sampling, self.model.compute_logits(last_rows), output)
         if self.spec is not None:
             self.spec.observe(self.input_batch, inp.req_ids, inp.rows, inp.query_start_loc, inp.positions_np,
                               hidden, self.model)

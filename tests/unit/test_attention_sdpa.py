@@ -205,3 +205,30 @@ def test_decode_only_metadata_equals_the_general_plan(pad: int) -> None:
     bad = dataclasses.replace(common, seq_lens_np=common.seq_lens_np + 1)
     with pytest.raises(ValueError, match="seq_lens"):
         builder.build(bad)
+
+
+@pytest.mark.parametrize("stride_pad", [0, 3])
+def test_context_slots_kernel_equals_the_torch_ops(monkeypatch: pytest.MonkeyPatch, stride_pad: int) -> None:
+    """``_context_slots`` on CPU runs the fused ``context_slots`` kernel; it gives the torch ops' slots (block id *
+    block size + offset, positions past a row's length repeating its first slot) for a row-strided table view, with
+    and without lengths, and rejects a context longer than the table."""
+    from ascent.attention.backends import sdpa
+    from ascent.layers.cpu_kernels import fused_ops
+
+    if fused_ops() is None:
+        pytest.skip("the fused CPU kernels are disabled here (ASCENT_CPU_FUSED_OPS=0)")
+    gen = torch.Generator().manual_seed(7)
+    table = torch.randint(0, 1000, (5, 9 + stride_pad), generator=gen, dtype=torch.int32)[:, :9]
+    lens = torch.tensor([1, 16, 40, 7, 33], dtype=torch.int64)
+    block_size, length = 5, 40
+    kernel = [sdpa._context_slots(table, block_size, length, lens), sdpa._context_slots(table, block_size, length)]
+    monkeypatch.setattr(sdpa, "fused_ops", lambda: None)
+    reference = [sdpa._context_slots(table, block_size, length, lens), sdpa._context_slots(table, block_size, length)]
+    for got, want in zip(kernel, reference):
+        assert got.dtype == torch.int64 and torch.equal(got, want)
+    positions = torch.arange(length)
+    expected = table.long()[:, positions // block_size] * block_size + positions % block_size
+    assert torch.equal(kernel[1], expected)
+    assert torch.equal(kernel[0][3, 7:], expected[3, :1].expand(length - 7)) and torch.equal(kernel[0][2], expected[2])
+    with pytest.raises(ValueError, match="46 tokens needs 10 blocks"):
+        sdpa._context_slots(table, block_size, 46)

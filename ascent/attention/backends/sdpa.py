@@ -138,22 +138,35 @@ def _prefill_mask(p: SDPAPrefill, window: int | None, device: torch.device) -> t
     return mask & (k_pos > q_pos - window) if window is not None else mask
 
 
-def _context_slots(block_rows: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
-    """int64 ``[R, length]`` cache slots of positions ``0..length-1`` for block-table rows ``[R, max_blocks]``."""
+def _context_slots(block_rows: torch.Tensor, block_size: int, length: int,
+                   lens: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 ``[R, length]`` cache slots of positions ``0..length-1`` for block-table rows ``[R, max_blocks]``; with
+    ``lens`` (int64 ``[R]``, each in ``[1, length]``) positions ``>= lens[r]`` repeat row r's first slot (padding
+    that attention never reads). On CPU the fused kernels compute it in one call (``context_slots``)."""
     num_blocks = -(-length // block_size)
     if num_blocks > block_rows.shape[1]:
         raise ValueError(f"context of {length} tokens needs {num_blocks} blocks; block table has {block_rows.shape[1]}")
+    ops = fused_ops() if block_rows.device.type == "cpu" and block_rows.dtype == torch.int32 else None
+    if ops is not None and block_rows.stride(1) == 1:
+        return ops.context_slots(block_rows, block_size, length, lens if lens is not None else _NO_LENS)
     blocks = block_rows[:, :num_blocks].to(torch.int64).repeat_interleave(block_size, dim=1)[:, :length]
     offsets = torch.arange(length, device=block_rows.device) % block_size
-    return blocks * block_size + offsets
+    slots = blocks * block_size + offsets
+    if lens is not None and int(lens.min()) < length:
+        pad = torch.arange(length, device=slots.device).unsqueeze(0) < lens.unsqueeze(1)
+        slots = torch.where(pad, slots, slots[:, :1])
+    return slots
+
+
+_NO_LENS = torch.empty(0, dtype=torch.int64)
 
 
 def write_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KV write plan shared by the paged backends: int64 destination slots and the token rows they come from
     (None = rows ``0..len(slots)-1``); rows with slot -1 (padding) are left out."""
-    valid = slot_mapping >= 0
-    if bool(valid.all()):
+    if slot_mapping.numel() == 0 or int(slot_mapping.min()) >= 0:
         return slot_mapping.to(torch.int64), None
+    valid = slot_mapping >= 0
     rows = valid.nonzero().squeeze(1)
     return slot_mapping.index_select(0, rows).to(torch.int64), rows
 
@@ -226,10 +239,7 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
         lens = seq_lens[idx]
         l_max = int(lens.max())
         table = common.block_table.index_select(0, torch.from_numpy(idx).to(device))
-        slots = _context_slots(table, common.block_size, l_max)
-        if int(lens.min()) < l_max:
-            pad = torch.arange(l_max, device=device).unsqueeze(0) < torch.from_numpy(lens).to(device).unsqueeze(1)
-            slots = torch.where(pad, slots, slots[:, :1])
+        slots = _context_slots(table, common.block_size, l_max, torch.from_numpy(lens).to(device))
         q_pos_t = torch.from_numpy(q_pos).to(device).unsqueeze(2)
         mask = torch.arange(l_max, device=device).view(1, 1, -1) <= q_pos_t
         return SDPAMultiQuery(n, q_max, torch.from_numpy(rows.reshape(-1)).to(device),
@@ -249,13 +259,11 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
         max_len = int(lens.max())
         table = (common.block_table[: len(lens)] if owners is None
                  else common.block_table.index_select(0, torch.from_numpy(owners).to(device)))
-        slots = _context_slots(table, common.block_size, max_len)
         md.decode_seq_lens = torch.from_numpy(lens).to(device)
+        md.decode_slots = _context_slots(table, common.block_size, max_len, md.decode_seq_lens)
         if int(lens.min()) < max_len:
             mask = torch.arange(max_len, device=device).unsqueeze(0) < md.decode_seq_lens.unsqueeze(1)
-            slots = torch.where(mask, slots, slots[:, :1])
             md.decode_mask = mask.view(len(lens), 1, 1, max_len)
-        md.decode_slots = slots
 
     @staticmethod
     def _plan_prefill(common: CommonAttentionMetadata, i: int, qsl: np.ndarray, seq_lens: np.ndarray,

@@ -354,6 +354,36 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   return out;
 }
 
+// Cache slots of context positions 0..length-1: block_rows int32 [R, B] (rows of a block table, unit column stride)
+// -> int64 [R, length], slot = block_rows[r, j / block_size] * block_size + j % block_size. With lens (int64 [R],
+// each in [1, length]) positions j >= lens[r] take row r's slot of position 0 (padding the attention kernels never
+// read); an empty lens pads nothing. One call instead of the torch ops of sdpa._context_slots (a decode step's
+// metadata).
+at::Tensor context_slots(const at::Tensor& block_rows, int64_t block_size, int64_t length, const at::Tensor& lens) {
+  TORCH_CHECK(block_rows.scalar_type() == at::kInt && block_rows.dim() == 2 && block_rows.stride(1) == 1,
+              "context_slots: block_rows must be int32 [R, B] with unit column stride");
+  TORCH_CHECK(block_size >= 1 && length >= 0 && (length + block_size - 1) / block_size <= block_rows.size(1),
+              "context_slots: ", length, " positions need more than the table's ", block_rows.size(1), " blocks");
+  const int64_t rows = block_rows.size(0);
+  const bool pad = lens.numel() > 0;
+  TORCH_CHECK(!pad || (lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.numel() == rows),
+              "context_slots: lens must be int64 [R] or empty");
+  auto out = at::empty({rows, length}, block_rows.options().dtype(at::kLong));
+  const int32_t* table = block_rows.data_ptr<int32_t>();
+  const int64_t* lp = pad ? lens.data_ptr<int64_t>() : nullptr;
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* row = table + r * block_rows.stride(0);
+    int64_t* o = op + r * length;
+    const int64_t valid = pad ? lp[r] : length;
+    TORCH_CHECK(valid >= 1 || length == 0, "context_slots: lens[", r, "] = ", valid, " is below 1");
+    for (int64_t j = 0; j < std::min(valid, length); ++j)
+      o[j] = static_cast<int64_t>(row[j / block_size]) * block_size + j % block_size;
+    for (int64_t j = valid; j < length; ++j) o[j] = o[0];
+  }
+  return out;
+}
+
 // Causal prefill attention (avx512_prefill_attention.h): q [tq, heads * d], k / v [tk, kv_heads * d] (row-strided
 // views are fine), all bf16; query i sits at position q_offset + i with tk == q_offset + tq; window > 0 keeps the last
 // `window` keys of each query. Returns [tq, heads * d] bf16. Only where prefill_attention_available(d).
@@ -414,6 +444,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_kv_write", &paged_kv_write, "paged_kv_write(kv_cache [2,S,W], k [T,W], v [T,W], slots [T])");
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged_decode_attention(q [n, heads*d], kv_cache [2,S,kvh,d], slots [n,L], seq_lens [n], heads, scale, window)");
+  m.def("context_slots", &context_slots,
+        "context_slots(block_rows int32 [R,B], block_size, length, lens int64 [R] or empty) -> int64 [R, length]");
   m.def("prefill_attention", &prefill_attention,
         "prefill_attention(q [tq, H*d], k [tk, KV*d], v, num_heads, scale, q_offset, window) -> [tq, H*d] (bf16)");
   m.def("prefill_attention_available", &prefill_attention_available,
