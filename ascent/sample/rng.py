@@ -16,6 +16,8 @@ live where the placement draws.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ascent.layers.cpu_kernels import sampling_ops
@@ -25,13 +27,17 @@ _TINY = torch.finfo(torch.float32).tiny
 _CPU = torch.device("cpu")
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+_LOOK_UP = object()
+
+
+def argmax_rows(x: torch.Tensor, kernels: Any = _LOOK_UP) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a ``[B, V]`` tensor, int64 ``[B]``; the CPU kernel for float32 rows (the same index in
-    every case: first maximum, NaN greatest), torch elsewhere."""
-    kernels = sampling_ops() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 else None
-    if kernels is not None and x.shape[1] > 0:
-        return kernels.argmax_rows(x)
-    return x.argmax(dim=-1)
+    every case: first maximum, NaN greatest), torch elsewhere. ``kernels``: ``sampling_ops()`` as a caller resolved
+    it once (None = torch), by default looked up now."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0:
+        return x.argmax(dim=-1)
+    kernels = sampling_ops() if kernels is _LOOK_UP else kernels
+    return kernels.argmax_rows(x) if kernels is not None else x.argmax(dim=-1)
 
 
 def check_placement(placement: str) -> str:

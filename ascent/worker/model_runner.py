@@ -16,6 +16,7 @@ from ascent.attention.layer import Attention
 from ascent.config import EngineConfig
 from ascent.core.sched_output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from ascent.forward_context import set_forward_context
+from ascent.layers.cpu_kernels import sampling_ops
 from ascent.loader.base import get_model
 from ascent.sample.logprobs import compute_logprobs_tensors
 from ascent.sample.metadata import SamplingMetadata, is_plain_greedy
@@ -83,6 +84,7 @@ class ModelRunner:
             self._attn_layers[0].backend, max_model_len=self.max_model_len,
             max_num_seqs=self.config.scheduler_config.max_num_seqs,
             chunked_prefill=self.config.scheduler_config.enable_chunked_prefill)
+        self._sampling_ops = sampling_ops()  # the greedy argmax kernel, resolved once (argmax_rows)
 
     def _model_hf_config(self) -> Any:
         """The HF config the model is built from; EPLB's redundant expert slots travel on a copy of it
@@ -279,7 +281,7 @@ class ModelRunner:
         batch = self.input_batch
         states = [batch.states[inp.req_ids[i]] for i in sampling]
         if logits.dtype == torch.float32 and all(is_plain_greedy(s.sampling_params) for s in states):
-            tokens = argmax_rows(logits).tolist()  # the sampler's answer for these rows, without its metadata
+            tokens = argmax_rows(logits, self._sampling_ops).tolist()  # the sampler's answer, without its metadata
             entries = None
         else:
             out = self.sampler(logits, self._sampling_metadata(states))

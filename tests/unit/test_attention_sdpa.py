@@ -208,21 +208,23 @@ def test_decode_only_metadata_equals_the_general_plan(pad: int) -> None:
 
 
 @pytest.mark.parametrize("stride_pad", [0, 3])
-def test_context_slots_kernel_equals_the_torch_ops(monkeypatch: pytest.MonkeyPatch, stride_pad: int) -> None:
-    """``_context_slots`` on CPU runs the fused ``context_slots`` kernel; it gives the torch ops' slots (block id *
-    block size + offset, positions past a row's length repeating its first slot) for a row-strided table view, with
-    and without lengths, and rejects a context longer than the table."""
+def test_context_slots_kernel_equals_the_torch_ops(stride_pad: int) -> None:
+    """``_context_slots`` with the fused kernels (the SDPA builder's) runs ``context_slots``; it gives the torch ops'
+    slots (block id * block size + offset, positions past a row's length repeating its first slot) for a row-strided
+    table view, with and without lengths, and rejects a context longer than the table."""
     from ascent.attention.backends import sdpa
     from ascent.layers.cpu_kernels import fused_ops
 
-    if fused_ops() is None:
+    ops = fused_ops()
+    if ops is None:
         pytest.skip("the fused CPU kernels are disabled here (ASCENT_CPU_FUSED_OPS=0)")
+    assert SDPABackend.get_builder_cls()()._fused is ops
     gen = torch.Generator().manual_seed(7)
     table = torch.randint(0, 1000, (5, 9 + stride_pad), generator=gen, dtype=torch.int32)[:, :9]
     lens = torch.tensor([1, 16, 40, 7, 33], dtype=torch.int64)
     block_size, length = 5, 40
-    kernel = [sdpa._context_slots(table, block_size, length, lens), sdpa._context_slots(table, block_size, length)]
-    monkeypatch.setattr(sdpa, "fused_ops", lambda: None)
+    kernel = [sdpa._context_slots(table, block_size, length, lens, ops),
+              sdpa._context_slots(table, block_size, length, None, ops)]
     reference = [sdpa._context_slots(table, block_size, length, lens), sdpa._context_slots(table, block_size, length)]
     for got, want in zip(kernel, reference):
         assert got.dtype == torch.int64 and torch.equal(got, want)
@@ -231,4 +233,4 @@ def test_context_slots_kernel_equals_the_torch_ops(monkeypatch: pytest.MonkeyPat
     assert torch.equal(kernel[1], expected)
     assert torch.equal(kernel[0][3, 7:], expected[3, :1].expand(length - 7)) and torch.equal(kernel[0][2], expected[2])
     with pytest.raises(ValueError, match="46 tokens needs 10 blocks"):
-        sdpa._context_slots(table, block_size, 46)
+        sdpa._context_slots(table, block_size, 46, None, ops)

@@ -23,6 +23,7 @@ Gather indices and masks are built once per step by the metadata builder and sha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -138,16 +139,17 @@ def _prefill_mask(p: SDPAPrefill, window: int | None, device: torch.device) -> t
     return mask & (k_pos > q_pos - window) if window is not None else mask
 
 
-def _context_slots(block_rows: torch.Tensor, block_size: int, length: int,
-                   lens: torch.Tensor | None = None) -> torch.Tensor:
+def _context_slots(block_rows: torch.Tensor, block_size: int, length: int, lens: torch.Tensor | None = None,
+                   ops: Any = None) -> torch.Tensor:
     """int64 ``[R, length]`` cache slots of positions ``0..length-1`` for block-table rows ``[R, max_blocks]``; with
     ``lens`` (int64 ``[R]``, each in ``[1, length]``) positions ``>= lens[r]`` repeat row r's first slot (padding
-    that attention never reads). On CPU the fused kernels compute it in one call (``context_slots``)."""
+    that attention never reads). ``ops``: the fused CPU kernels (``fused_ops()``), which compute it in one call
+    (``context_slots``) for a CPU int32 table; None = torch ops."""
     num_blocks = -(-length // block_size)
     if num_blocks > block_rows.shape[1]:
         raise ValueError(f"context of {length} tokens needs {num_blocks} blocks; block table has {block_rows.shape[1]}")
-    ops = fused_ops() if block_rows.device.type == "cpu" and block_rows.dtype == torch.int32 else None
-    if ops is not None and block_rows.stride(1) == 1:
+    if (ops is not None and block_rows.device.type == "cpu" and block_rows.dtype == torch.int32
+            and block_rows.stride(1) == 1):
         return ops.context_slots(block_rows, block_size, length, lens if lens is not None else _NO_LENS)
     blocks = block_rows[:, :num_blocks].to(torch.int64).repeat_interleave(block_size, dim=1)[:, :length]
     offsets = torch.arange(length, device=block_rows.device) % block_size
@@ -179,6 +181,9 @@ def paged_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, he
 class SDPAMetadataBuilder(AttentionMetadataBuilder):
     """Builds ``SDPAMetadata`` from host-side lengths (no device synchronization except the -1 slot check)."""
 
+    def __init__(self) -> None:
+        self._fused = fused_ops()  # resolved once: the lookup is not free in a step's cold caches
+
     def build(self, common: CommonAttentionMetadata) -> SDPAMetadata:
         seq_lens = common.seq_lens_np[: common.num_reqs].astype(np.int64)
         computed = common.num_computed_tokens_np[: common.num_reqs].astype(np.int64)
@@ -196,7 +201,7 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
                              f"{query_lens.tolist()}")
         write_slots, write_rows = write_plan(common.slot_mapping)
         short = (query_lens > 1) & (query_lens <= MULTI_QUERY_MAX_LEN) & (computed > 0)
-        expand = common.block_table.device.type == "cpu" and bool(short.any()) and fused_ops() is not None
+        expand = common.block_table.device.type == "cpu" and bool(short.any()) and self._fused is not None
         decode_idx = np.flatnonzero((query_lens == 1) | short) if expand else np.flatnonzero(query_lens == 1)
         rows, lens, owners = _decode_rows(decode_idx, qsl, seq_lens, computed)
         md = SDPAMetadata(common.num_actual_tokens, write_slots, write_rows, len(rows), None, 0, None, None,
@@ -226,8 +231,7 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
             self._plan_decodes(md, common, None, None, seq_lens)
         return md
 
-    @staticmethod
-    def _plan_multi(common: CommonAttentionMetadata, idx: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray,
+    def _plan_multi(self, common: CommonAttentionMetadata, idx: np.ndarray, qsl: np.ndarray, seq_lens: np.ndarray,
                     computed: np.ndarray) -> SDPAMultiQuery:
         device = common.block_table.device
         q_lens = qsl[idx + 1] - qsl[idx]
@@ -239,15 +243,14 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
         lens = seq_lens[idx]
         l_max = int(lens.max())
         table = common.block_table.index_select(0, torch.from_numpy(idx).to(device))
-        slots = _context_slots(table, common.block_size, l_max, torch.from_numpy(lens).to(device))
+        slots = _context_slots(table, common.block_size, l_max, torch.from_numpy(lens).to(device), self._fused)
         q_pos_t = torch.from_numpy(q_pos).to(device).unsqueeze(2)
         mask = torch.arange(l_max, device=device).view(1, 1, -1) <= q_pos_t
         return SDPAMultiQuery(n, q_max, torch.from_numpy(rows.reshape(-1)).to(device),
                               torch.from_numpy(flat_valid).to(device),
                               torch.from_numpy(rows.reshape(-1)[flat_valid]).to(device), slots, q_pos_t, mask)
 
-    @staticmethod
-    def _plan_decodes(md: SDPAMetadata, common: CommonAttentionMetadata, owners: np.ndarray | None,
+    def _plan_decodes(self, md: SDPAMetadata, common: CommonAttentionMetadata, owners: np.ndarray | None,
                       rows: np.ndarray | None, lens: np.ndarray) -> None:
         """Decode rows: token row ``rows[j]`` of request ``owners[j]`` attends to its first ``lens[j]`` slots
         (``owners`` / ``rows`` None: ``0..len(lens)-1``)."""
@@ -260,7 +263,7 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
         table = (common.block_table[: len(lens)] if owners is None
                  else common.block_table.index_select(0, torch.from_numpy(owners).to(device)))
         md.decode_seq_lens = torch.from_numpy(lens).to(device)
-        md.decode_slots = _context_slots(table, common.block_size, max_len, md.decode_seq_lens)
+        md.decode_slots = _context_slots(table, common.block_size, max_len, md.decode_seq_lens, self._fused)
         if int(lens.min()) < max_len:
             mask = torch.arange(max_len, device=device).unsqueeze(0) < md.decode_seq_lens.unsqueeze(1)
             md.decode_mask = mask.view(len(lens), 1, 1, max_len)
