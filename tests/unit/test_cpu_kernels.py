@@ -140,6 +140,48 @@ def test_grouped_bf16_attention_matches_sdpa(ops, isa, d, heads, kv_heads):
         _close(got, _reference_decode(q, cache, slots, lens, heads, d**-0.5, window), torch.bfloat16)
 
 
+@pytest.mark.parametrize("d,heads,kv_heads", [(64, 9, 3), (128, 4, 2), (32, 4, 4), (64, 8, 2)])
+def test_long_contexts_split_over_key_chunks_match_sdpa(ops, isa, d, heads, kv_heads):
+    """split_attention.h: contexts past 256 keys in chunks (unnormalised partial sums merged by their maxima), on
+    every ISA path (below AVX512-BF16 the whole-context kernels run); around the chunk boundaries, with a window that
+    keeps a row under / over the threshold, and a row's result independent of the rows batched with it."""
+    gen = torch.Generator().manual_seed(d * heads)
+    num_slots = 2200
+    cache = _paged_cache(torch.bfloat16, num_slots, kv_heads, d, gen)
+    lens = torch.tensor([256, 257, 600, 2049, 40])
+    slots = torch.stack([torch.randperm(num_slots, generator=gen)[:2049] for _ in range(5)])
+    q = (torch.randn(5, heads * d, generator=gen) * 2).bfloat16()
+    scores_scale = d**-0.5
+    for window in (0, 300, 200):
+        got = ops.paged_decode_attention(q, cache, slots, lens, heads, scores_scale, window)
+        _close(got, _reference_decode(q, cache, slots, lens, heads, scores_scale, window), torch.bfloat16)
+        previous = ops.set_split_attention(0)
+        try:  # the one-pass kernels on the same rows: equal up to the fp32 summation order
+            _close(got, ops.paged_decode_attention(q, cache, slots, lens, heads, scores_scale, window), torch.bfloat16)
+        finally:
+            ops.set_split_attention(previous)
+        for i in (2, 3):  # alone == batched, bit for bit
+            alone = ops.paged_decode_attention(q[i : i + 1], cache, slots[i : i + 1], lens[i : i + 1], heads,
+                                               scores_scale, window)
+            assert torch.equal(alone[0], got[i])
+
+
+def test_split_contexts_keep_peaked_and_flat_scores_exact(ops):
+    """The merge weights chunks by exp(m_c - M): one key far above the rest in the last chunk takes all the weight,
+    and equal keys everywhere give the plain mean of the values."""
+    d, heads, kv_heads, n = 64, 2, 1, 1000
+    cache = torch.zeros(2, n, kv_heads, d)
+    cache[1] = torch.randn(n, kv_heads, d, generator=torch.Generator().manual_seed(3))
+    q = torch.ones(1, heads * d)
+    slots, lens = torch.arange(n).view(1, n), torch.tensor([n])
+    flat = ops.paged_decode_attention(q.bfloat16(), cache.bfloat16(), slots, lens, heads, 1.0, 0)
+    want = cache[1].bfloat16().float().mean(0).view(-1).repeat(heads)
+    torch.testing.assert_close(flat.float().view(-1), want, atol=2e-3, rtol=1e-2)
+    cache[0, n - 2] = 1.0  # score 64 at key n - 2: softmax puts ~all weight there
+    peaked = ops.paged_decode_attention(q.bfloat16(), cache.bfloat16(), slots, lens, heads, 1.0, 0)
+    assert torch.equal(peaked.view(heads, d)[0], cache[1, n - 2, 0].bfloat16())
+
+
 def test_paged_decode_attention_rejects_bad_lengths_and_slots(ops):
     cache = torch.zeros(2, 8, 1, 4)
     q = torch.zeros(1, 4)

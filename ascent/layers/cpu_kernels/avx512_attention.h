@@ -70,10 +70,14 @@ ASCENT_AVX512_BF16 void grouped_scores(const bf16* q, const bf16* kbase, const i
   }
 }
 
-// out_g = sum_j p[g * n + j] * v_j for the G heads; each value row is widened once (C = d / 16 fp32 chunks).
-template <int C, int G>
+ASCENT_AVX512 inline void store16(bf16* p, __m512 v) { bf16_store(p, v, 0xFFFF); }
+ASCENT_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+// out_g = sum_j p[g * n + j] * v_j for the G heads; each value row is widened once (C = d / 16 fp32 chunks); out is
+// bf16 (rounded once) or fp32.
+template <int C, int G, typename Out>
 ASCENT_AVX512 void grouped_values(const float* p, const bf16* vbase, const int64_t* slots, int64_t n, int64_t d,
-                                  int64_t row_w, bf16* out) {
+                                  int64_t row_w, Out* out) {
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -89,7 +93,7 @@ ASCENT_AVX512 void grouped_values(const float* p, const bf16* vbase, const int64
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) bf16_store(out + g * d + c * 16, acc[g][c], 0xFFFF);
+    for (int c = 0; c < C; ++c) store16(out + g * d + c * 16, acc[g][c]);
 }
 
 // attend_kv_head_avx512's contract (q: the group's G query rows of d; out: their G output rows) for d = 32 * P.
@@ -104,25 +108,46 @@ ASCENT_AVX512_BF16 void attend_grouped(const bf16* q, const bf16* kbase, const b
   grouped_values<2 * P, G>(buf.data(), vbase, slots + start, n, d, row_w, out);
 }
 
+// One chunk of a split context (split_attention.h): keys slots[0 .. n); per query head g of the group
+// mx[g] = max score, total[g] = sum_j e_gj with e_gj = exp(score - mx[g]), acc[g * d ..] = sum_j e_gj v_j (fp32).
+template <int P, int G>
+ASCENT_AVX512_BF16 void attend_grouped_chunk(const bf16* q, const bf16* kbase, const bf16* vbase, const int64_t* slots,
+                                             int64_t n, int64_t d, int64_t row_w, float scale, float* acc, float* mx,
+                                             float* total, std::vector<float>& buf) {
+  buf.resize(static_cast<size_t>(G * n));
+  grouped_scores<P, G>(q, kbase, slots, n, d, row_w, scale, buf.data());
+  exp_rows(buf.data(), G, n, mx, total);
+  grouped_values<2 * P, G>(buf.data(), vbase, slots, n, d, row_w, acc);
+}
+
+using AttendChunkFn = void (*)(const bf16*, const bf16*, const bf16*, const int64_t*, int64_t, int64_t, int64_t, float,
+                               float*, float*, float*, std::vector<float>&);
+
+// The grouped kernels of one (head dim, group size): a whole context, and one chunk of a split one.
+struct GroupedAttention {
+  AttendFn whole = nullptr;
+  AttendChunkFn chunk = nullptr;
+};
+
 template <int P>
-AttendFn attend_grouped_for_group(int64_t group) {
+GroupedAttention attend_grouped_for_group(int64_t group) {
   switch (group) {
-    case 1: return attend_grouped<P, 1>;
-    case 2: return attend_grouped<P, 2>;
-    case 3: return attend_grouped<P, 3>;
-    case 4: return attend_grouped<P, 4>;
-    default: return nullptr;
+    case 1: return {attend_grouped<P, 1>, attend_grouped_chunk<P, 1>};
+    case 2: return {attend_grouped<P, 2>, attend_grouped_chunk<P, 2>};
+    case 3: return {attend_grouped<P, 3>, attend_grouped_chunk<P, 3>};
+    case 4: return {attend_grouped<P, 4>, attend_grouped_chunk<P, 4>};
+    default: return {};
   }
 }
 
-// The grouped kernel for head dim d and group size (query heads per KV head) when it has one: d in {32, 64, 128},
-// at most 16 fp32 value accumulators (group * d / 16); nullptr otherwise (the per-head kernel is used).
-AttendFn attend_grouped_for(int64_t d, int64_t group) {
-  if (!has_avx512_bf16() || group * (d / 16) > 16) return nullptr;
+// The grouped kernels for head dim d and group size (query heads per KV head) when there are: d in {32, 64, 128},
+// at most 16 fp32 value accumulators (group * d / 16); none otherwise (the per-head kernel is used).
+GroupedAttention attend_grouped_for(int64_t d, int64_t group) {
+  if (!has_avx512_bf16() || group * (d / 16) > 16) return {};
   switch (d) {
     case 32: return attend_grouped_for_group<1>(group);
     case 64: return attend_grouped_for_group<2>(group);
     case 128: return attend_grouped_for_group<4>(group);
-    default: return nullptr;
+    default: return {};
   }
 }

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -63,6 +64,7 @@ inline float exp_approx(float x) {
 #include "avx512_bf16.h"
 #include "avx2_bf16.h"
 #include "avx512_attention.h"
+#include "split_attention.h"
 #include "amx_attention.h"
 #include "avx512_prefill_attention.h"
 
@@ -330,7 +332,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     const scalar_t* vbase = kbase + num_slots * row_w;
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t qs = q.stride(0);
-    AttendFn attend_vec = has_avx512() ? attend_grouped_for(d, group) : nullptr;
+    const GroupedAttention grouped = has_avx512() ? attend_grouped_for(d, group) : GroupedAttention{};
+    if constexpr (std::is_same_v<scalar_t, bf16>) {
+      const DecodeAttentionRows rows{as_bf16(qp), qs, as_bf16(kbase), as_bf16(vbase), sp, L, lens, n, kv_heads,
+                                     group, d, row_w, window, static_cast<float>(scale), as_bf16(op)};
+      if (grouped.chunk != nullptr && rows.any_split()) return split_decode_attention(rows, grouped);
+    }
+    AttendFn attend_vec = grouped.whole;
     if (attend_vec == nullptr && has_avx512()) attend_vec = attend_avx512_for(d);
     if (attend_vec == nullptr && has_avx2_fma()) attend_vec = attend_avx2_for(d);
     at::parallel_for(0, n * kv_heads, 4, [&](int64_t begin, int64_t end) {
@@ -450,6 +458,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "prefill_attention(q [tq, H*d], k [tk, KV*d], v, num_heads, scale, q_offset, window) -> [tq, H*d] (bf16)");
   m.def("prefill_attention_available", &prefill_attention_available,
         "prefill_attention_available(head_dim) -> whether prefill_attention runs here");
+  m.def("set_split_attention", [](int64_t on) { return std::exchange(g_split_attention, on != 0); },
+        "set_split_attention(1|0) -> previous (0: long decode contexts in one pass, as short ones; tests)");
   m.def("set_prefill_attention", &set_prefill_attention,
         "set_prefill_attention(-1 auto | 0 off | 1 on where AVX512-BF16 exists) -> previous (tests)");
   m.def("silu_and_mul", &silu_and_mul, "silu_and_mul(x [T, 2d]) -> [T, d]");
