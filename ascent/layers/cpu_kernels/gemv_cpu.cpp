@@ -277,30 +277,44 @@ void run_rows(const GemvArgs& a, Path path, bool is_half, int64_t row_begin, int
 
 }  // namespace
 
-// x [..., K] (bf16/fp16), weight [N, K] (same dtype, contiguous), bias [N] (same dtype) or None
-// -> [..., N] in x's dtype.
-torch::Tensor linear_small_m(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_small_m: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "linear_small_m: x dtype ", x.scalar_type(),
-              " != weight dtype ", weight.scalar_type());
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "linear_small_m: bf16/fp16 only, got ", x.scalar_type());
+// A small-M projection with its weight-side operands checked once and held as raw pointers into tensors the caller
+// keeps alive (the decode stack runs it every step, when those tensors' metadata is cold).
+struct SmallMLinear {
+  const void* weight = nullptr;  // [n, k], contiguous
+  const void* bias = nullptr;    // [n] or nullptr
+  at::ScalarType dtype = at::kBFloat16;
+  int64_t n = 0, k = 0;
+};
+
+// weight [N, K] (bf16/fp16, contiguous), bias [N] (same dtype) or None.
+SmallMLinear plan_linear_small_m(const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(weight.device().is_cpu(), "linear_small_m: CPU tensors only");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf,
+              "linear_small_m: bf16/fp16 only, got ", weight.scalar_type());
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "linear_small_m: weight must be a contiguous [N, K]");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), "linear_small_m: x last dim ", x.size(-1),
-              " != weight K ", weight.size(1));
-  const int64_t n = weight.size(0), k = weight.size(1);
-  auto x2 = x.reshape({-1, k}).contiguous();
-  const int64_t m = x2.size(0);
+  const int64_t n = weight.size(0);
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
-    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == x.scalar_type() && bias->is_contiguous(),
+    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == weight.scalar_type() && bias->is_contiguous(),
                 "linear_small_m: bias must be a contiguous [", n, "] in x's dtype");
   }
+  return {weight.data_ptr(), has_bias ? bias->data_ptr() : nullptr, weight.scalar_type(), n, weight.size(1)};
+}
+
+// x [..., K] in the plan's dtype -> [..., N] in x's dtype.
+torch::Tensor run_linear_small_m(const torch::Tensor& x, const SmallMLinear& plan) {
+  TORCH_CHECK(x.device().is_cpu(), "linear_small_m: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == plan.dtype, "linear_small_m: x dtype ", x.scalar_type(), " != weight dtype ",
+              plan.dtype);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == plan.k, "linear_small_m: x last dim ", x.size(-1), " != weight K ",
+              plan.k);
+  const int64_t n = plan.n, k = plan.k;
+  auto x2 = x.reshape({-1, k}).contiguous();
+  const int64_t m = x2.size(0);
   auto out = torch::empty({m, n}, x.options());
   const bool is_half = x.scalar_type() == at::kHalf;
   const Path path = pick_path(is_half);
-  GemvArgs a{x2.data_ptr(), weight.data_ptr(), has_bias ? bias->data_ptr() : nullptr, out.data_ptr(), m, n, k,
-             is_half};
+  GemvArgs a{x2.data_ptr(), plan.weight, plan.bias, out.data_ptr(), m, n, k, is_half};
   const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k));  // >= ~32 KiB of weights per task
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
@@ -309,6 +323,12 @@ torch::Tensor linear_small_m(const torch::Tensor& x, const torch::Tensor& weight
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = n;
   return out.view(out_sizes);
+}
+
+// x [..., K] (bf16/fp16), weight [N, K] (same dtype, contiguous), bias [N] (same dtype) or None
+// -> [..., N] in x's dtype.
+torch::Tensor linear_small_m(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  return run_linear_small_m(x, plan_linear_small_m(weight, bias));
 }
 
 // Whether bf16 calls take the AVX512-BF16 dot-product path now (the Python side sizes the small-M range from it).

@@ -62,22 +62,29 @@ __attribute__((target("avx512f"))) void nv_epilogue_static(const int32_t* acc, c
   }
 }
 
-// y [M, N] = epi(m, n, x_q . W_q) on the packed signed layout; xq [M, ldx] as quantize_rows_*(vnni = true) gives.
+// The packed weight of an N-row int8 NV projection for K columns (K from x, <= kMaxK): checks its layout and
+// returns its bytes.
+const uint8_t* int8_nv_weight(const at::Tensor& packed, int64_t n, int64_t k) {
+  TORCH_CHECK(k > 0 && k <= kMaxK, "K must be in [1, ", kMaxK, "], got ", k);
+  TORCH_CHECK(use_vnni(), "int8 NV kernels need AVX512-VNNI");
+  const int64_t blocks = nv_padded(n, kNvRows) / kNvRows, steps = nv_padded(k, 4) / 4;
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte &&
+                  packed.numel() == blocks * steps * kNvStepBytes,
+              "packed must be a contiguous uint8 [", blocks, ", ", steps, ", 4, 64]");
+  return packed.data_ptr<uint8_t>();
+}
+
+// y [M, N] = epi(m, n, x_q . W_q) on the packed signed layout (checked by int8_nv_weight); xq [M, ldx] as quantize_rows_*(vnni = true) gives.
 // block_epi(m, row0, acc, y) computes epi for the 64 rows of a whole super-block at once (fp32 y), bf16 and fp32
 // outputs are stored 64 at a time; a partial last super-block and fp16 outputs go element by element.
 template <typename Epilogue, typename BlockEpilogue>
-at::Tensor int8_nv_linear(const at::Tensor& x, const std::vector<uint8_t>& xq, int64_t ldx, const at::Tensor& packed,
+at::Tensor int8_nv_linear(const at::Tensor& x, const std::vector<uint8_t>& xq, int64_t ldx, const uint8_t* w,
                           int64_t n, int64_t k, const int32_t* row_sum, Epilogue epi, BlockEpilogue block_epi) {
   const int64_t m_rows = x.size(0), npad = nv_padded(n, kNvRows), steps = nv_padded(k, 4) / 4;
-  TORCH_CHECK(use_vnni(), "int8 NV kernels need AVX512-VNNI");
-  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte &&
-                  packed.numel() == npad / kNvRows * steps * kNvStepBytes && ldx >= 4 * steps,
-              "packed must be a contiguous uint8 [", npad / kNvRows, ", ", steps, ", 4, 64]");
   static const Int8NvFn fns[kNvInt8MaxMB] = {int8_nv_superblock<1>, int8_nv_superblock<2>, int8_nv_superblock<3>,
                                              int8_nv_superblock<4>};
   auto out = at::empty({m_rows, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const Store store{out.data_ptr(), out.scalar_type(), n};
-  const uint8_t* w = packed.data_ptr<uint8_t>();
   const bool block_store = out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat;
   parallel_blocks(npad / kNvRows, [&](int64_t begin, int64_t end) {
     int32_t acc[kNvInt8MaxMB * kNvRows];
@@ -103,20 +110,36 @@ at::Tensor int8_nv_linear(const at::Tensor& x, const std::vector<uint8_t>& xq, i
   return out;
 }
 
-// Dynamic W8A8 on the layout: bit-identical to w8a8_dynamic_linear (packed = wo_nv_pack(W, 8, offset 0)).
-at::Tensor w8a8_dynamic_linear_nv(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& row_sum,
-                                  const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
-  const int64_t n = row_sum.numel(), k = x_in.size(-1), ldx = (k + 63) / 64 * 64;
-  TORCH_CHECK(k > 0 && k <= kMaxK, "K must be in [1, ", kMaxK, "], got ", k);
+// A dynamic W8A8 projection on the layout with its weight-side operands checked once and held as raw pointers into
+// tensors the caller keeps alive (the decode stack runs it every step, when those tensors' metadata is cold). Only
+// pointers are kept, so in-place updates of the tensors' values are seen.
+struct W8A8DynamicNv {
+  const uint8_t* packed = nullptr;
+  const int32_t* row_sum = nullptr;
+  const float* w_scale = nullptr;
+  c10::optional<at::Tensor> bias;
+  int64_t n = 0, k = 0;
+};
+
+W8A8DynamicNv plan_w8a8_dynamic_nv(const at::Tensor& packed, const at::Tensor& row_sum, const at::Tensor& w_scale,
+                                   const c10::optional<at::Tensor>& bias, int64_t k) {
+  const int64_t n = row_sum.numel();
   check_vec(row_sum, "row_sum", n, at::kInt);
   check_vec(w_scale, "w_scale", n, at::kFloat);
+  float_bias(bias, n);  // checks it
+  return {int8_nv_weight(packed, n, k), row_sum.data_ptr<int32_t>(), w_scale.data_ptr<float>(), bias, n, k};
+}
+
+// y = x W^T, bit-identical to w8a8_dynamic_linear (packed = wo_nv_pack(W, 8, offset 0)); x [..., plan.k].
+at::Tensor run_w8a8_dynamic_nv(const at::Tensor& x_in, const W8A8DynamicNv& plan) {
+  const int64_t k = plan.k, ldx = (k + 63) / 64 * 64;
   const at::Tensor x = rows_of(x_in, k);
   std::vector<uint8_t> xq;
   std::vector<float> sx;
   quantize_rows_dynamic(x, k, ldx, /*vnni=*/true, xq, sx);
-  const std::vector<float> b = float_bias(bias, n);
-  const float* ws = w_scale.data_ptr<float>();
-  const int32_t* rs = row_sum.data_ptr<int32_t>();
+  const std::vector<float> b = float_bias(plan.bias, plan.n);
+  const float* ws = plan.w_scale;
+  const int32_t* rs = plan.row_sum;
   const auto epi = [&](int64_t m, int64_t j, int32_t acc) {
     const float y = static_cast<float>(acc) * sx[m] * ws[j];
     return b.empty() ? y : y + b[j];
@@ -124,24 +147,48 @@ at::Tensor w8a8_dynamic_linear_nv(const at::Tensor& x_in, const at::Tensor& pack
   const auto block_epi = [&](int64_t m, int64_t row0, const int32_t* acc, float* y) {
     nv_epilogue_dynamic(acc, rs + row0, sx[m], ws + row0, b.empty() ? nullptr : b.data() + row0, y);
   };
-  return like_x(int8_nv_linear(x, xq, ldx, packed, n, k, rs, epi, block_epi), x_in);
+  return like_x(int8_nv_linear(x, xq, ldx, plan.packed, plan.n, k, rs, epi, block_epi), x_in);
 }
 
-// Static W8A8 on the layout: bit-identical to w8a8_static_linear (same quantization and epilogue).
-at::Tensor w8a8_static_linear_nv(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& row_sum,
-                                 double input_scale, double input_offset, const at::Tensor& deq,
-                                 const c10::optional<at::Tensor>& quant_bias, const c10::optional<at::Tensor>& bias) {
-  const int64_t n = row_sum.numel(), k = x_in.size(-1), ldx = (k + 63) / 64 * 64;
-  TORCH_CHECK(k > 0 && k <= kMaxK, "K must be in [1, ", kMaxK, "], got ", k);
+// Dynamic W8A8 on the layout: bit-identical to w8a8_dynamic_linear (packed = wo_nv_pack(W, 8, offset 0)).
+at::Tensor w8a8_dynamic_linear_nv(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& row_sum,
+                                  const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
+  return run_w8a8_dynamic_nv(x_in, plan_w8a8_dynamic_nv(packed, row_sum, w_scale, bias, x_in.size(-1)));
+}
+
+// A static W8A8 projection on the layout, checked once as W8A8DynamicNv is.
+struct W8A8StaticNv {
+  const uint8_t* packed = nullptr;
+  const int32_t* row_sum = nullptr;
+  const float* deq = nullptr;
+  const int32_t* quant_bias = nullptr;  // nullptr when absent
+  c10::optional<at::Tensor> bias;
+  const float* input_scale_offset = nullptr;  // fp32 [input_scale, input_offset]
+  int64_t n = 0, k = 0;
+};
+
+W8A8StaticNv plan_w8a8_static_nv(const at::Tensor& packed, const at::Tensor& row_sum,
+                                 const float* input_scale_offset, const at::Tensor& deq,
+                                 const c10::optional<at::Tensor>& quant_bias, const c10::optional<at::Tensor>& bias,
+                                 int64_t k) {
+  const int64_t n = row_sum.numel();
+  const uint8_t* w = int8_nv_weight(packed, n, k);
   check_vec(row_sum, "row_sum", n, at::kInt);
   check_vec(deq, "deq", n, at::kFloat);
+  float_bias(bias, n);  // checks it
+  return {w, row_sum.data_ptr<int32_t>(), deq.data_ptr<float>(), quant_bias_of(quant_bias, n), bias, input_scale_offset,
+          n, k};
+}
+
+// y = x W^T, bit-identical to w8a8_static_linear (same quantization and epilogue); x [..., plan.k].
+at::Tensor run_w8a8_static_nv(const at::Tensor& x_in, const W8A8StaticNv& plan) {
+  const int64_t k = plan.k, ldx = (k + 63) / 64 * 64;
   const at::Tensor x = rows_of(x_in, k);
-  const int32_t* qb = quant_bias_of(quant_bias, n);
   std::vector<uint8_t> xq;
-  quantize_rows_static(x, k, ldx, /*vnni=*/true, static_cast<float>(input_scale), static_cast<float>(input_offset), xq);
-  const std::vector<float> b = float_bias(bias, n);
-  const float* dp = deq.data_ptr<float>();
-  const int32_t* rs = row_sum.data_ptr<int32_t>();
+  quantize_rows_static(x, k, ldx, /*vnni=*/true, plan.input_scale_offset[0], plan.input_scale_offset[1], xq);
+  const std::vector<float> b = float_bias(plan.bias, plan.n);
+  const float* dp = plan.deq;
+  const int32_t *rs = plan.row_sum, *qb = plan.quant_bias;
   const auto epi = [&](int64_t, int64_t j, int32_t acc) {
     const int32_t a = qb ? static_cast<int32_t>(static_cast<uint32_t>(acc) + static_cast<uint32_t>(qb[j])) : acc;
     const float y = static_cast<float>(a) * dp[j];
@@ -150,5 +197,14 @@ at::Tensor w8a8_static_linear_nv(const at::Tensor& x_in, const at::Tensor& packe
   const auto block_epi = [&](int64_t, int64_t row0, const int32_t* acc, float* y) {
     nv_epilogue_static(acc, rs + row0, qb ? qb + row0 : nullptr, dp + row0, b.empty() ? nullptr : b.data() + row0, y);
   };
-  return like_x(int8_nv_linear(x, xq, ldx, packed, n, k, rs, epi, block_epi), x_in);
+  return like_x(int8_nv_linear(x, xq, ldx, plan.packed, plan.n, k, rs, epi, block_epi), x_in);
+}
+
+// Static W8A8 on the layout: bit-identical to w8a8_static_linear (same quantization and epilogue).
+at::Tensor w8a8_static_linear_nv(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& row_sum,
+                                 double input_scale, double input_offset, const at::Tensor& deq,
+                                 const c10::optional<at::Tensor>& quant_bias, const c10::optional<at::Tensor>& bias) {
+  const float scale_offset[2] = {static_cast<float>(input_scale), static_cast<float>(input_offset)};
+  return run_w8a8_static_nv(x_in, plan_w8a8_static_nv(packed, row_sum, scale_offset, deq, quant_bias, bias,
+                                                       x_in.size(-1)));
 }
