@@ -74,7 +74,8 @@ const uint8_t* int8_nv_weight(const at::Tensor& packed, int64_t n, int64_t k) {
   return packed.data_ptr<uint8_t>();
 }
 
-// y [M, N] = epi(m, n, x_q . W_q) on the packed signed layout (checked by int8_nv_weight); xq [M, ldx] as quantize_rows_*(vnni = true) gives.
+// y [M, N] = epi(m, n, x_q . W_q) on the packed signed layout (w as int8_nv_weight checked it); xq [M, ldx] as
+// quantize_rows_*(vnni = true) gives.
 // block_epi(m, row0, acc, y) computes epi for the 64 rows of a whole super-block at once (fp32 y), bf16 and fp32
 // outputs are stored 64 at a time; a partial last super-block and fp16 outputs go element by element.
 template <typename Epilogue, typename BlockEpilogue>
