@@ -55,10 +55,11 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 
 // One projection of a layer: which kernel computes x @ W^T (+ bias) and the operands it takes, in the order the
 // Python side (``LinearMethod.decode_stack_call``) gives them.
-// An empty tensor stands for an absent optional operand. The small-M dense and the int8 NV kinds check their
+// An empty tensor stands for an absent optional operand. The small-M dense and the NV-layout kinds check their
 // weight-side operands at their first call and then keep raw pointers into `tensors` (which keep them alive): the
 // per-step call no longer reads those tensors' metadata, which the weight stream has evicted from the caches by then
-// (measured on a Zen 4, SmolLM2 decode stack + head, interleaved pairs: W8A8 1.018-1.033x, bf16 1.018x).
+// (measured on a Zen 4, SmolLM2 decode stack + head, interleaved pairs: W8A8 1.018-1.033x, bf16 1.018x, W8A16
+// 1.035x, W4A16 1.051x).
 struct LinearCall {
   enum Kind : int64_t {
     kDense = 0, kW8A16 = 1, kW4A16 = 2, kW8A8Dynamic = 3, kW8A8DynamicAmx = 4, kW8A8StaticAmx = 5,
@@ -80,6 +81,7 @@ struct LinearCall {
   std::vector<int64_t> ints;
   mutable ascent_quant::W8A8DynamicNv w8a8_nv;  // kW8A8DynamicNv's operands, checked at its first call
   mutable ascent_quant::W8A8StaticNv w8a8_static_nv;  // kW8A8StaticNv's, likewise
+  mutable ascent_quant::WoNvPlan wo_nv;                // kWoNv's, likewise
   mutable SmallMLinear small_m;                  // kDense's small-M kernel operands, checked at its first call
 
   at::Tensor operator()(const at::Tensor& x) const {
@@ -129,8 +131,10 @@ struct LinearCall {
         return ascent_quant::run_w8a8_static_nv(x, w8a8_static_nv);
       }
       case kWoNv:
-        return ascent_quant::wo_nv_linear_impl(x, t[0], ints[0], ints[1], ints[2], t[1], optional_tensor(t[2]), t[3],
-                                               optional_tensor(t[4]), optional_tensor(t[5]));
+        if (wo_nv.packed == nullptr)
+          wo_nv = ascent_quant::plan_wo_nv(t[0], ints[0], ints[1], ints[2], t[1], optional_tensor(t[2]), t[3],
+                                           optional_tensor(t[4]), optional_tensor(t[5]));
+        return ascent_quant::run_wo_nv(x, wo_nv);
       default: TORCH_CHECK(false, "DecodeStack: unknown linear kind ", kind);
     }
   }

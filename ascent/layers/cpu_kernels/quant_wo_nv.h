@@ -314,12 +314,24 @@ void wo_nv_exact_row(const at::Tensor& x, int64_t m, int64_t k, const uint8_t* w
   }
 }
 
-// y [M, N] = x @ ((q - zero) * scale)^T (+ bias) on the packed layout; scale_nv / zs_nv fp32 [Npad / 64, G, 64]
-// (zs = zero * scale), scale_nk / zero_nk fp32 [N, G] (the exact rows' operands).
-at::Tensor wo_nv_linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t n, int64_t k,
-                             const at::Tensor& scale_nk, const c10::optional<at::Tensor>& zero_nk,
-                             const at::Tensor& scale_nv, const c10::optional<at::Tensor>& zs_nv,
-                             const c10::optional<at::Tensor>& bias) {
+// A weight-only projection on the packed layout with its operands checked once and held as raw pointers into tensors
+// the caller keeps alive (the decode stack runs it every step, when those tensors' metadata is cold).
+struct WoNvPlan {
+  const uint8_t* packed = nullptr;
+  int64_t bits = 8, n = 0, k = 0, steps = 0, groups = 1;
+  const float* scale_nk = nullptr;  // [N, G]
+  const float* zero_nk = nullptr;   // [N, G], nullptr without zero points
+  const void* scale_nv = nullptr;   // [Npad / 64, G, 64], bf16 or fp32
+  bool scale_bf16 = false;
+  const float* zs_nv = nullptr;     // zero * scale on the layout, nullptr without zero points
+  c10::optional<at::Tensor> bias;
+};
+
+// scale_nv / zs_nv fp32 [Npad / 64, G, 64] (zs = zero * scale), scale_nk / zero_nk fp32 [N, G] (the exact rows'
+// operands).
+WoNvPlan plan_wo_nv(const at::Tensor& packed, int64_t bits, int64_t n, int64_t k, const at::Tensor& scale_nk,
+                    const c10::optional<at::Tensor>& zero_nk, const at::Tensor& scale_nv,
+                    const c10::optional<at::Tensor>& zs_nv, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(bits == 4 || bits == 8, "wo_nv_linear: bits must be 4 or 8, got ", bits);
   const int64_t step_cols = bits == 4 ? 8 : 4, npad = nv_padded(n, kNvRows);
   const int64_t steps = nv_padded(k, step_cols) / step_cols;
@@ -337,16 +349,27 @@ at::Tensor wo_nv_linear_impl(const at::Tensor& x, const at::Tensor& packed, int6
   }
   const bool scale_bf16 = scale_nv.scalar_type() == at::kBFloat16;
   check_vec(scale_nv, "scale_nv", npad * groups, scale_bf16 ? at::kBFloat16 : at::kFloat);
+  float_bias(bias, n);  // checks it
+  return {packed.data_ptr<uint8_t>(), bits, n, k, steps, groups, scale_nk.data_ptr<float>(),
+          has_zero ? zero_nk->data_ptr<float>() : nullptr, scale_nv.data_ptr(), scale_bf16,
+          has_zero ? zs_nv->data_ptr<float>() : nullptr, bias};
+}
+
+// y [M, N] = x @ ((q - zero) * scale)^T (+ bias) on the packed layout; x [M, plan.k].
+at::Tensor run_wo_nv(const at::Tensor& x, const WoNvPlan& plan) {
+  const int64_t bits = plan.bits, n = plan.n, k = plan.k, steps = plan.steps, groups = plan.groups;
+  const int64_t npad = nv_padded(n, kNvRows);
+  const bool has_zero = plan.zero_nk != nullptr;
   thread_local WoNvScratch scratch;  // the workers read it during this call only
   std::vector<int64_t> exact_rows;
-  WoNvArgs a{packed.data_ptr<uint8_t>(), steps, nullptr, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr,
-             scale_nv.data_ptr(), scale_bf16, has_zero ? zs_nv->data_ptr<float>() : nullptr, false};
+  WoNvArgs a{plan.packed, steps, nullptr, nullptr, 0, 0, nullptr, nullptr, nullptr, nullptr,
+             plan.scale_nv, plan.scale_bf16, plan.zs_nv, false};
   if (bits == 4) wo_nv_prepare<4>(x, k, groups, has_zero, a, scratch, exact_rows);
   else wo_nv_prepare<8>(x, k, groups, has_zero, a, scratch, exact_rows);
   const int64_t m_rows = x.size(0);
   std::vector<uint8_t> exact(static_cast<size_t>(m_rows), 0);
   for (int64_t m : exact_rows) exact[m] = 1;
-  const std::vector<float> bv = float_bias(bias, n);
+  const std::vector<float> bv = float_bias(plan.bias, n);
   auto out = at::empty({m_rows, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const Store store{out.data_ptr(), out.scalar_type(), n};
   const int64_t nsb = npad / kNvRows;
@@ -379,9 +402,16 @@ at::Tensor wo_nv_linear_impl(const at::Tensor& x, const at::Tensor& packed, int6
   }
   std::vector<float> y(static_cast<size_t>(n));
   for (int64_t m : exact_rows) {
-    wo_nv_exact_row(x, m, k, a.w, steps, bits, n, scale_nk.data_ptr<float>(),
-                    has_zero ? zero_nk->data_ptr<float>() : nullptr, groups, y.data());
+    wo_nv_exact_row(x, m, k, a.w, steps, bits, n, plan.scale_nk, plan.zero_nk, groups, y.data());
     for (int64_t r = 0; r < n; ++r) store(m, r, y[r] + (bv.empty() ? 0.f : bv[r]));
   }
   return out;
+}
+
+// y [M, N] = x @ ((q - zero) * scale)^T (+ bias) on the packed layout (plan_wo_nv's operands); x [M, K].
+at::Tensor wo_nv_linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t n, int64_t k,
+                             const at::Tensor& scale_nk, const c10::optional<at::Tensor>& zero_nk,
+                             const at::Tensor& scale_nv, const c10::optional<at::Tensor>& zs_nv,
+                             const c10::optional<at::Tensor>& bias) {
+  return run_wo_nv(x, plan_wo_nv(packed, bits, n, k, scale_nk, zero_nk, scale_nv, zs_nv, bias));
 }
