@@ -1,5 +1,5 @@
 // AMX decode attention of fused_cpu.cpp (bf16, head dims 32 / 64 / 128). Included by fused_cpu.cpp inside its
-// anonymous namespace, after avx512_bf16.h and amx_tiles.h.
+// anonymous namespace, after avx512_bf16.h, amx_tiles.h and avx512_attention.h (DecodeAttentionCall).
 //
 // On this project's Xeon a VDPBF16PS costs as much as four fp32 FMAs (2 cycles each), and the AVX512 kernels
 // (avx512_attention.h) spend ~20 cycles per (query row, head, key); one TDPBF16PS (a 16 x 32 by 32 x 16 bf16 tile
@@ -366,22 +366,8 @@ std::vector<std::pair<int64_t, int64_t>> shared_key_runs(const int64_t* slots, c
   return runs;
 }
 
-// paged_decode_attention's operands for the AMX path.
-struct AmxAttnCall {
-  const bf16* qp;
-  int64_t qs;
-  const bf16* kbase;
-  const bf16* vbase;
-  const int64_t* sp;
-  int64_t L;
-  const int64_t* lens;
-  int64_t num_heads, kv_heads, d, window;
-  float scale;
-  bf16* op;
-};
-
 // Units [begin, stop) of amx_decode_attention on the calling thread (configures and releases the tiles).
-ASCENT_AMX_ATTENTION void amx_attention_units(const AmxAttnCall& a, const std::vector<std::pair<int64_t, int64_t>>& runs,
+ASCENT_AMX_ATTENTION void amx_attention_units(const DecodeAttentionCall& a, const std::vector<std::pair<int64_t, int64_t>>& runs,
                                               int64_t begin, int64_t stop) {
   const int64_t group = a.num_heads / a.kv_heads;
   const AmxAttendFn attend = amx_attend_for(a.d);
@@ -418,7 +404,7 @@ ASCENT_AMX_ATTENTION void amx_attention_units(const AmxAttnCall& a, const std::v
 
 // paged_decode_attention's bf16 work: rows grouped into shared-key runs of up to 16 / group rows, one unit per
 // (run, KV head), units split over torch's intra-op threads.
-void amx_decode_attention(const AmxAttnCall& a, int64_t n) {
+void amx_decode_attention(const DecodeAttentionCall& a, int64_t n) {
   const auto runs = shared_key_runs(a.sp, a.lens, n, a.L, kAmxCols / (a.num_heads / a.kv_heads));
   at::parallel_for(0, static_cast<int64_t>(runs.size()) * a.kv_heads, 1,
                    [&](int64_t begin, int64_t stop) { amx_attention_units(a, runs, begin, stop); });

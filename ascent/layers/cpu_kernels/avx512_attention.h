@@ -19,6 +19,22 @@ bool has_avx512_bf16() {
   return has_avx512() && ok;
 }
 
+// paged_decode_attention's bf16 operands (the split driver of split_attention.h and the AMX path take them):
+// q [rows, >= num_heads * d] with row stride qs, K / V planes of slot rows kv_heads * d wide, slots int64 [rows, L],
+// lens [rows], out [rows, num_heads * d].
+struct DecodeAttentionCall {
+  const bf16* qp;
+  int64_t qs;
+  const bf16* kbase;
+  const bf16* vbase;
+  const int64_t* sp;
+  int64_t L;
+  const int64_t* lens;
+  int64_t num_heads, kv_heads, d, window;
+  float scale;
+  bf16* op;
+};
+
 constexpr int64_t kValuePrefetch = 8;  // value rows prefetched this many keys ahead
 
 // The cache lines of `elems` bf16 values from `row`. Callers prefetch row_w values from their head's slice: the whole

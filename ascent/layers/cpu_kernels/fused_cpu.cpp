@@ -334,9 +334,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     const int64_t qs = q.stride(0);
     const GroupedAttention grouped = has_avx512() ? attend_grouped_for(d, group) : GroupedAttention{};
     if constexpr (std::is_same_v<scalar_t, bf16>) {
-      const DecodeAttentionRows rows{as_bf16(qp), qs, as_bf16(kbase), as_bf16(vbase), sp, L, lens, n, kv_heads,
-                                     group, d, row_w, window, static_cast<float>(scale), as_bf16(op)};
-      if (grouped.chunk != nullptr && rows.any_split()) return split_decode_attention(rows, grouped);
+      const DecodeAttentionCall call{as_bf16(qp), qs, as_bf16(kbase), as_bf16(vbase), sp, L, lens, num_heads,
+                                     kv_heads, d, window, static_cast<float>(scale), as_bf16(op)};
+      if (grouped.chunk != nullptr && any_split(call, n)) return split_decode_attention(call, n, grouped);
     }
     AttendFn attend_vec = grouped.whole;
     if (attend_vec == nullptr && has_avx512()) attend_vec = attend_avx512_for(d);

@@ -18,28 +18,16 @@ inline int64_t key_chunks(int64_t keys) {
   return g_split_attention && keys > kSplitKeys ? (keys + kSplitKeys - 1) / kSplitKeys : 1;
 }
 
-// The operands of paged_decode_attention's bf16 path: q [rows, >= kv_heads * group * d] (row stride q_stride),
-// K / V planes (slot rows of row_w = kv_heads * d), slots int64 [rows, L], lens [rows], out [rows, kv_heads * group *
-// d].
-struct DecodeAttentionRows {
-  const bf16* q;
-  int64_t q_stride;
-  const bf16* kbase;
-  const bf16* vbase;
-  const int64_t* slots;
-  int64_t L;
-  const int64_t* lens;
-  int64_t rows, kv_heads, group, d, row_w, window;
-  float scale;
-  bf16* out;
+// The first key row i attends (a sliding window's start) and whether any of the n rows is split.
+inline int64_t window_start(const DecodeAttentionCall& a, int64_t i) {
+  return a.window > 0 ? std::max<int64_t>(0, a.lens[i] - a.window) : 0;
+}
 
-  int64_t start(int64_t i) const { return window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0; }
-  bool any_split() const {
-    for (int64_t i = 0; i < rows; ++i)
-      if (key_chunks(lens[i] - start(i)) > 1) return true;
-    return false;
-  }
-};
+inline bool any_split(const DecodeAttentionCall& a, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (key_chunks(a.lens[i] - window_start(a, i)) > 1) return true;
+  return false;
+}
 
 // One unit of work: keys [begin, end) of a row for one KV head; part >= 0 indexes its chunk result (chunks of one
 // (row, head) are consecutive), -1 marks a whole context written straight to out.
@@ -67,21 +55,23 @@ inline void merge_chunks(const float* parts, int64_t chunks, int64_t group, int6
   }
 }
 
-// Every (row, KV head) unit, rows with more than kSplitKeys keys in chunks; units spread over the intra-op threads.
-void split_decode_attention(const DecodeAttentionRows& a, const GroupedAttention& kernels) {
+// Every (row, KV head) unit of n rows, rows with more than kSplitKeys keys in chunks; units spread over the intra-op
+// threads.
+void split_decode_attention(const DecodeAttentionCall& a, int64_t n, const GroupedAttention& kernels) {
+  const int64_t group = a.num_heads / a.kv_heads, gd = group * a.d, row_w = a.kv_heads * a.d;
   std::vector<KeyRange> units;
   int64_t parts = 0;
-  for (int64_t i = 0; i < a.rows; ++i) {
-    const int64_t start = a.start(i), keys = a.lens[i] - start, chunks = key_chunks(keys);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t start = window_start(a, i), keys = a.lens[i] - start, chunks = key_chunks(keys);
     for (int64_t h = 0; h < a.kv_heads; ++h)
       for (int64_t c = 0; c < chunks; ++c)
         units.push_back({i, h, start + c * keys / chunks, start + (c + 1) * keys / chunks,
                          chunks > 1 ? parts++ : -1, chunks});
   }
-  const int64_t gd = a.group * a.d, stride = gd + 2 * a.group;
+  const int64_t stride = gd + 2 * group;
   std::vector<float> results(static_cast<size_t>(parts * stride));
-  const auto q_of = [&](const KeyRange& u) { return a.q + u.row * a.q_stride + u.head * gd; };
-  const auto out_of = [&](const KeyRange& u) { return a.out + (u.row * a.kv_heads + u.head) * gd; };
+  const auto q_of = [&](const KeyRange& u) { return a.qp + u.row * a.qs + u.head * gd; };
+  const auto out_of = [&](const KeyRange& u) { return a.op + (u.row * a.kv_heads + u.head) * gd; };
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t k = begin; k < end; ++k) {
@@ -89,16 +79,16 @@ void split_decode_attention(const DecodeAttentionRows& a, const GroupedAttention
       const bf16* kb = a.kbase + u.head * a.d;
       const bf16* vb = a.vbase + u.head * a.d;
       if (u.part < 0) {
-        kernels.whole(q_of(u), kb, vb, a.slots + u.row * a.L, u.begin, u.end, a.group, a.d, a.row_w, a.scale,
-                      out_of(u), buf);
+        kernels.whole(q_of(u), kb, vb, a.sp + u.row * a.L, u.begin, u.end, group, a.d, row_w, a.scale, out_of(u),
+                      buf);
         continue;
       }
       float* r = results.data() + u.part * stride;
-      kernels.chunk(q_of(u), kb, vb, a.slots + u.row * a.L + u.begin, u.end - u.begin, a.d, a.row_w, a.scale, r,
-                    r + gd, r + gd + a.group, buf);
+      kernels.chunk(q_of(u), kb, vb, a.sp + u.row * a.L + u.begin, u.end - u.begin, a.d, row_w, a.scale, r, r + gd,
+                    r + gd + group, buf);
     }
   });
   for (const KeyRange& u : units)
-    if (u.part >= 0 && u.begin == a.start(u.row))  // the first chunk of its (row, head)
-      merge_chunks(results.data() + u.part * stride, u.chunks, a.group, a.d, out_of(u));
+    if (u.part >= 0 && u.begin == window_start(a, u.row))  // the first chunk of its (row, head)
+      merge_chunks(results.data() + u.part * stride, u.chunks, group, a.d, out_of(u));
 }
