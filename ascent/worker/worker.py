@@ -10,6 +10,7 @@ import torch
 from ascent.config import DEFAULT_KV_CACHE_FRACTION, EngineConfig, available_memory_bytes
 from ascent.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from ascent.platform.cpu_allocator import keep_freed_buffers
+from ascent.platform.huge_pages import advise_engine_memory, module_tensors
 from ascent.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ class Worker:
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config)
         self.timings: dict[str, float] = {}
+        self.huge_pages = "not applied"  # how the weights and the KV cache use huge pages (set with the KV cache)
         self.eplb_updator = None
 
     def load_model(self) -> None:
@@ -68,6 +70,9 @@ class Worker:
         start = time.perf_counter()
         self.model_runner.initialize_kv_cache(num_blocks)
         self.timings["kv_alloc_s"] = time.perf_counter() - start
+        if self.config.device_config.device.type == "cpu":
+            self.huge_pages = advise_engine_memory(module_tensors(self.model_runner.model), self.model_runner.kv_caches)
+            logger.info("huge pages: %s", self.huge_pages)
         mc, cc = self.config.model_config, self.config.cache_config
         tokens = (num_blocks - 1) * cc.block_size
         logger.info(
