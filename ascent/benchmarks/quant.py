@@ -29,6 +29,7 @@ from typing import Any
 
 from ascent.benchmarks.common import Timer, collect_env, pin_threads, safe_ratio, write_json
 from ascent.benchmarks.datasets import BenchRequest, sample_requests
+from ascent.platform import huge_pages
 
 ALL_SCHEMES = ("w8a8_dynamic", "w8a8", "w8a16", "w4a16", "w4a8")
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16",
@@ -54,7 +55,7 @@ def cpu_features() -> dict[str, Any]:
         if line.lower().startswith("flags"):
             flags.update(line.split(":", 1)[1].split())
     return {"flags": [f for f in CPU_FLAGS if f in flags],
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "huge_pages": huge_pages.process_state()}
 
 
 def parse_list(text: str, kind: type = str) -> list[Any]:
@@ -308,7 +309,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     env, cpu = result["env"], result["cpu"]
     lines.append(f"threads={env['num_threads']}  loadavg={[round(x, 2) for x in env['loadavg']]}  "
-                 f"cpu flags={','.join(cpu['flags'])}  torch capability={cpu['torch_cpu_capability']}")
+                 f"cpu flags={','.join(cpu['flags'])}  torch capability={cpu['torch_cpu_capability']}  "
+                 f"huge pages={cpu['huge_pages']}")
     if env["load_warning"]:
         lines.append("WARNING: 1-minute load exceeds half the cores; timings are unreliable (ratios less so)")
     return "\n".join(lines)

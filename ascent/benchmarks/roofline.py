@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ascent.benchmarks.common import best_time, dtype_name, parse_torch_dtype
+from ascent.platform import huge_pages
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -89,6 +90,7 @@ def calibrate(dtype: torch.dtype | str, sizes: RooflineSizes | None = None) -> d
         "stream_read_numpy_gbps": measure_numpy_stream_read_gbps(sizes.stream_bytes, sizes.repeats),
         "gemv_gbps": measure_gemv_gbps(sizes.gemv_bytes, dtype, sizes.repeats),
         "gemm_gflops": measure_gemm_gflops(*gemm, dtype, sizes.repeats),
+        "huge_pages": huge_pages.process_state(),  # the stream figures depend on it (huge_pages.py)
     }
     same = dtype == torch.float32
     result["gemv_fp32_gbps"] = result["gemv_gbps"] if same else measure_gemv_gbps(

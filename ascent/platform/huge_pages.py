@@ -60,29 +60,18 @@ def thp_mode(path: str = THP_SETTING) -> str | None:
     return text[start + 1 : end] if 0 <= start < end else None
 
 
-def vma_flags(address: int, smaps: str = "/proc/self/smaps") -> set[str]:
-    """The ``VmFlags`` of the mapping that holds ``address`` (``hg``: advised ``MADV_HUGEPAGE``); empty when unknown."""
-    try:
-        with open(smaps, encoding="ascii", errors="replace") as f:
-            inside = False
-            for line in f:
-                head = line.split(" ", 1)[0]
-                if "-" in head and ":" not in head:
-                    lo, _, hi = head.partition("-")
-                    inside = int(lo, 16) <= address < int(hi, 16)
-                elif inside and line.startswith("VmFlags:"):
-                    return set(line.split()[1:])
-    except (OSError, ValueError):
-        pass
-    return set()
-
-
 def torch_allocates_huge_pages() -> bool:
-    """Whether torch's CPU allocator advises its 2 MiB+ allocations ``MADV_HUGEPAGE`` (mechanism 1 is active)."""
-    import torch
+    """Whether torch's CPU allocator advises its 2 MiB+ allocations ``MADV_HUGEPAGE`` (mechanism 1): torch read
+    ``THP_MEM_ALLOC_ENABLE`` at its first allocation, which for a variable set before the process started or by
+    ``import ascent`` before torch is its value now. (Probing an allocation's mapping would be fooled by heap ranges
+    that earlier engines' weights left advised.)"""
+    return os.environ.get(TORCH_ENV, "").strip() == "1"
 
-    probe = torch.empty(2 * HUGE_PAGE_BYTES, dtype=torch.uint8)
-    return "hg" in vma_flags(probe.data_ptr() + HUGE_PAGE_BYTES)
+
+def process_state() -> dict[str, Any]:
+    """What holds for this process, for benchmark reports: the kernel's THP mode, whether torch's allocator advises
+    its large allocations, and the ``ASCENT_CPU_HUGE_PAGES`` switch."""
+    return {"kernel_mode": thp_mode(), "torch_allocator": torch_allocates_huge_pages(), "enabled": enabled_from_env()}
 
 
 def _madvise() -> Any:

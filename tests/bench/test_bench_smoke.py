@@ -43,6 +43,7 @@ def _check_env_and_roofline(data: dict) -> None:
                                                                         "gemv_fp32_gbps"))
     assert calibration["peak_gflops"] == max(calibration["gemm_gflops"], calibration["gemm_fp32_gflops"])
     assert calibration["passes"] == 2  # calibrated before and after the engine's run
+    assert set(calibration["huge_pages"]) == {"kernel_mode", "torch_allocator", "enabled"}  # reported with the rates
     ceilings = data["roofline"]["ceilings"]
     assert data["roofline"]["error"] is None
     assert all(_positive(ceilings[k]) for k in ("batch1_bandwidth_ceiling_tok_s", "compute_ceiling_tok_s",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -15,6 +16,23 @@ THP = hp.thp_mode()
 needs_thp = pytest.mark.skipif(THP in (None, "never") or not sys.platform.startswith("linux"),
                                reason=f"kernel transparent huge pages unavailable (mode {THP})")
 MIB = 1 << 20
+
+
+def vma_flags(address: int, smaps: str = "/proc/self/smaps") -> set[str]:
+    """The ``VmFlags`` of the mapping that holds ``address`` (``hg``: advised ``MADV_HUGEPAGE``)."""
+    try:
+        with open(smaps, encoding="ascii", errors="replace") as f:
+            inside = False
+            for line in f:
+                head = line.split(" ", 1)[0]
+                if "-" in head and ":" not in head:
+                    lo, _, hi = head.partition("-")
+                    inside = int(lo, 16) <= address < int(hi, 16)
+                elif inside and line.startswith("VmFlags:"):
+                    return set(line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return set()
 
 
 def test_env_switch(monkeypatch):
@@ -65,7 +83,7 @@ def test_advise_marks_mapping_and_keeps_values():
     assert length >= 2 * MIB
     accepted = hp.advise_ranges(hp.storage_ranges([t]), collapse=True)
     assert accepted in (0, length)  # 0 where the kernel cannot collapse now (old kernel, no free huge pages)
-    assert "hg" in hp.vma_flags(start)  # the MADV_HUGEPAGE advice itself always lands
+    assert "hg" in vma_flags(start)  # the MADV_HUGEPAGE advice itself always lands
     assert torch.equal(t, before)
 
 
@@ -77,8 +95,10 @@ def _child(code: str, **env: str) -> str:
     return out.stdout.strip()
 
 
-PROBE = ("import ascent, os\nfrom ascent.platform.huge_pages import torch_allocates_huge_pages as f\n"
-         "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), f())")
+# A fresh child: its first big torch allocation's mapping shows whether torch's allocator advised it.
+PROBE = (inspect.getsource(vma_flags) + "import ascent, os, torch\n"
+         "t = torch.empty(8 << 20, dtype=torch.uint8)\n"
+         "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), 'hg' in vma_flags(t.data_ptr() + (4 << 20)))\n")
 
 
 @needs_thp
@@ -105,9 +125,10 @@ def test_engine_reports_huge_pages(tiny_llama_dir, monkeypatch):
     described = on.llm_engine.engine_core.worker.huge_pages
     if THP in (None, "never"):
         assert described.startswith("unavailable")
-    else:
-        assert "KV cache advised" in described  # conftest imports torch first: the worker advises the cache itself
-        kv = on.llm_engine.engine_core.worker.model_runner.kv_caches[0]
-        start, length = hp.huge_interior(kv.data_ptr(), kv.numel() * kv.element_size())
-        if length:
-            assert "hg" in hp.vma_flags(start)
+        return
+    # Either torch's allocator advised the cache (ascent imported before torch) or the worker did (torch first).
+    assert "torch allocations of 2 MiB" in described or "KV cache advised" in described
+    kv = on.llm_engine.engine_core.worker.model_runner.kv_caches[0]
+    start, length = hp.huge_interior(kv.data_ptr(), kv.numel() * kv.element_size())
+    if length:
+        assert "hg" in vma_flags(start)
