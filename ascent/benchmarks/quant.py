@@ -3,8 +3,9 @@
 Every scheme is exported once (``ascent quantize``, RTN, cached in a temporary or ``--cache-dir`` directory whose
 per-scheme folder names the format and whether ``--quantize-lm-head`` quantized the lm_head); then the
 bf16 engine and one engine per scheme are built with the same settings and measured *interleaved* (each round visits
-every variant, the order rotates between rounds, the best round is reported and all are kept; one untimed
-full-length warm-up generate per engine and batch size comes first):
+every variant, the order rotates between rounds, the best round is reported and all are kept, with each round's ratio
+to the bf16 round beside it and their median; one untimed full-length warm-up generate per engine and batch size
+comes first):
 
 * decode tok/s at each ``--batch-sizes`` value: fixed random prompts of ``--input-len`` tokens, ``ignore_eos``,
   driven step by step through the engine; the steps up to every request's first token (the prefill) are timed
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -218,6 +220,15 @@ def run_perplexity(args: argparse.Namespace, variants: dict[str, dict[str, Any]]
             rec["error"] = f"perplexity: {type(exc).__name__}: {exc}"
 
 
+def round_ratios(rounds: list[dict[str, Any]], base_rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Round r of a variant over round r of bf16 (the two ran back to back within one interleaved round, so a slow
+    phase of the machine hits both): every ratio and their median (None without a complete pair)."""
+    ratios = [safe_ratio(r["decode_tokens_per_second"], b["decode_tokens_per_second"])
+              for r, b in zip(rounds, base_rounds)]
+    valid = sorted(x for x in ratios if x is not None)
+    return {"rounds": ratios, "median": statistics.median(valid) if valid else None}
+
+
 def summarize(args: argparse.Namespace, variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Per variant: best decode tok/s per batch (all rounds kept), perplexity, ratios against bf16."""
     out: dict[str, Any] = {}
@@ -234,6 +245,9 @@ def summarize(args: argparse.Namespace, variants: dict[str, dict[str, Any]]) -> 
         entry["tokens_per_second_ratio_vs_bf16"] = {
             b: safe_ratio(d["decode_tokens_per_second"],
                           base["decode"].get(b, {}).get("decode_tokens_per_second"))
+            for b, d in entry["decode"].items()}
+        entry["tokens_per_second_ratio_per_round"] = {
+            b: round_ratios(d["all_rounds"], base["decode"].get(b, {}).get("all_rounds", []))
             for b, d in entry["decode"].items()}
         ppl = (entry.get("perplexity") or {}).get("perplexity")
         entry["ppl_increase_pct"] = (100.0 * (ppl / base_ppl - 1.0)) if ppl and base_ppl else None
@@ -296,14 +310,15 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
 def format_table(result: dict[str, Any]) -> str:
     """Markdown table: variant, decode tok/s and ratio per batch size, perplexity and its increase, errors."""
     batches = [str(b) for b in result["config"]["batch_sizes"]]
-    head = ["variant"] + [f"tok/s B={b} (x bf16)" for b in batches] + ["ppl", "ppl +%", "note"]
+    head = ["variant"] + [f"tok/s B={b} (x bf16: best; per-round median)" for b in batches] + ["ppl", "ppl +%", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, entry in result["variants"].items():
         cells = [name]
         for b in batches:
             d = entry["decode"].get(b, {})
+            per_round = entry["tokens_per_second_ratio_per_round"].get(b, {}).get("median")
             cells.append(f"{_fmt(d.get('decode_tokens_per_second'), '.1f')} "
-                         f"({_fmt(entry['tokens_per_second_ratio_vs_bf16'].get(b))})")
+                         f"({_fmt(entry['tokens_per_second_ratio_vs_bf16'].get(b))}; {_fmt(per_round)})")
         ppl = (entry.get("perplexity") or {}).get("perplexity")
         cells += [_fmt(ppl, ".3f"), _fmt(entry.get("ppl_increase_pct"), "+.2f"), (entry.get("error") or "")[:120]]
         lines.append("| " + " | ".join(cells) + " |")
@@ -326,7 +341,9 @@ def add_quant_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", default="compressed-tensors", choices=("compressed-tensors", "modelslim"),
                         help="checkpoint layout of the exports")
     parser.add_argument("--batch-sizes", default="1,32", help="comma-separated decode batch sizes")
-    parser.add_argument("--decode-tokens", type=positive_int, default=32, help="new tokens per request")
+    parser.add_argument("--decode-tokens", type=positive_int, default=128,
+                        help="new tokens per request (as vLLM's bench latency; with a few dozen a round lasts a "
+                             "fraction of a second and a VM's memory-phase noise dominates the batch-1 figures)")
     parser.add_argument("--input-len", type=positive_int, default=16, help="prompt length (random token ids)")
     parser.add_argument("--rounds", type=positive_int, default=2, help="interleaved measurement rounds")
     parser.add_argument("--ppl-tokens", type=int, default=2048, help="corpus tokens scored for perplexity (0 = skip)")

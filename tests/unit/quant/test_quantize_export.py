@@ -446,5 +446,10 @@ def test_bench_quant_smoke(tiny_dir, tmp_path):
         ppl = entry["perplexity"]
         assert ppl["scored_tokens"] == 2 * 63 and 1.0 < ppl["perplexity"] < 1e6
         assert entry["tokens_per_second_ratio_vs_bf16"]["1"] > 0
+        per_round = entry["tokens_per_second_ratio_per_round"]["1"]
+        rounds = [r["decode_tokens_per_second"] / b["decode_tokens_per_second"]
+                  for r, b in zip(entry["decode"]["1"]["all_rounds"], base["decode"]["1"]["all_rounds"])]
+        assert per_round["rounds"] == pytest.approx(rounds) and per_round["median"] == pytest.approx(
+            sorted(rounds)[0] / 2 + sorted(rounds)[1] / 2)  # two rounds: the median is their mean
     w4 = result["variants"]["w4a16"]
     assert w4["checkpoint_bytes"] < result["variants"]["w8a8_dynamic"]["checkpoint_bytes"]
