@@ -468,6 +468,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
                         help="speculative_disable_by_batch_size of every method (no drafts with >= N running)")
     parser.add_argument("--max-concurrency", type=positive_int, default=None,
                         help="most requests running at once (engine max_num_seqs; 1 = single stream)")
+    parser.add_argument("--concurrency-sweep", default=None,
+                        help="comma-separated concurrencies (e.g. 1,8,32): the whole benchmark once per value")
     parser.add_argument("--rounds", type=positive_int, default=1,
                         help="rounds of fresh prompts; engines interleave within each round")
     parser.add_argument("--num-prompts", type=positive_int, default=16, help="prompts per workload and round")
@@ -476,6 +478,10 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_spec_command(args: argparse.Namespace) -> dict[str, Any]:
+    if args.concurrency_sweep:
+        from ascent.benchmarks.spec_sweep import run_spec_sweep
+
+        return run_spec_sweep(args)
     return run_spec(args)
 
 

@@ -229,3 +229,35 @@ def test_validation_rejects_zero_counts_but_allows_the_default_k() -> None:
         setattr(args, name, 0)
         with pytest.raises(ValueError, match=name):
             _validate(args)
+
+
+def test_concurrency_sweep_runs_each_value(tiny_llama_dir: str, tmp_path, capsys) -> None:
+    """--concurrency-sweep runs the whole benchmark per value (engines at that max_num_seqs) and tabulates the
+    speed-ups; the per-value runs are the plain benchmark's results."""
+    out = tmp_path / "sweep.json"
+    args = _parse(["bench", "spec", "--model", tiny_llama_dir, "--dtype", "float32", "--methods", "ngram",
+                   "--concurrency-sweep", "1,2", "--num-speculative-tokens", str(K), "--prompt-lookup-min", "1",
+                   "--num-prompts", "2", "--output-len", "6", "--ignore-eos", "--num-threads", "1",
+                   "--output-json", str(out)])
+    returned = args.func(args)
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "spec_decode_sweep" and data["concurrencies"] == [1, 2]
+    assert [run["config"]["max_concurrency"] for run in data["runs"]] == [1, 2]
+    assert [row["max_concurrency"] for row in data["speedups"]] == [1, 2]
+    for run, row in zip(returned["runs"], returned["speedups"]):
+        for work in ("repetitive", "non_repetitive"):
+            method = run["workloads"][work]["methods"]["ngram"]
+            assert method["outputs_equal_no_spec"] is True
+            assert row[f"{work}/ngram"] == {"speedup": method["speedup_vs_no_spec"],
+                                            "mean_acceptance_length": method["mean_acceptance_length"]}
+    table = capsys.readouterr().out.split("speed-up over no speculation by concurrency")[1]
+    assert "| concurrency | repetitive/ngram | non_repetitive/ngram |" in table and "\n| 2 | x" in table
+
+
+def test_concurrency_sweep_list_errors() -> None:
+    from ascent.benchmarks.spec_sweep import parse_concurrency_list
+
+    assert parse_concurrency_list("1, 8,32") == [1, 8, 32]
+    for bad in ("", "1,x", "0,4"):
+        with pytest.raises(ValueError, match="concurrency sweep"):
+            parse_concurrency_list(bad)
