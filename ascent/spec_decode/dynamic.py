@@ -15,8 +15,12 @@ Ascent extensions (``dynamic_params``): ``min_draft_survival`` (default 0 = off)
 positions whose survival is at least that value, so a request whose drafts are persistently rejected drafts nothing
 (non-repetitive traffic then runs at plain-decoding cost); ``probe_interval`` (default 16): a request held at 0
 drafts (by that cut, or by ``min_verify_tokens = 0`` with a zero budget) drafts one token on every
-``probe_interval``-th step so its statistics can recover (:class:`DraftGate`). ``batch_size_k`` is the per-step cap
-of the batch-size schedule.
+``probe_interval``-th step so its statistics can recover (:class:`DraftGate`); a probe that does not earn the
+request its drafts back doubles its wait for the next one, up to ``PROBE_BACKOFF`` times ``probe_interval``, and
+once the cost model is ready due probes wait for a shared probe step (every ``probe_interval``-th): each verifying
+step pays the fixed cost ``c`` below, and staggered probes of non-repetitive requests had made most steps of a
+compute-bound batch verifying ones.
+``batch_size_k`` is the per-step cap of the batch-size schedule.
 
 Cost-aware gate (``cost_gate``, default on): the model runner times every decode step and feeds a
 :class:`~ascent.spec_decode.step_cost.StepCostModel` (``t_step ≈ a + b · tokens + c · [drafts]``, exponentially
@@ -48,6 +52,7 @@ from ascent.spec_decode.arbiter import GoodputArbiter
 from ascent.spec_decode.step_cost import StepCostModel, cost_cut
 
 Schedule = list[tuple[int, int, int]]
+PROBE_BACKOFF = 4  # a failed probe doubles the request's probe interval, up to this multiple of probe_interval
 
 
 def validate_batch_size_schedule(schedule: Any) -> Schedule:
@@ -281,7 +286,11 @@ class DraftGate:
         self.cost = cost
         self.cost_safety = float(cost_safety)
         self.num_cost_cut = 0  # drafts removed by the cost cut (telemetry)
+        self.max_probe_interval = PROBE_BACKOFF * probe_interval
         self._idle: dict[str, int] = {}
+        self._interval: dict[str, int] = {}  # backed-off probe intervals (absent: probe_interval)
+        self._probed: set[str] = set()  # requests probed at the last apply
+        self._steps = 0  # apply calls; under the cost model probes happen every probe_interval-th
 
     def apply(self, req_ids: Sequence[str], token_probs: np.ndarray, keep: np.ndarray) -> np.ndarray:
         """``token_probs [B, D]`` (as for :meth:`DynamicSpecScheduler.update`), ``keep [B]`` -> gated lengths."""
@@ -294,19 +303,28 @@ class DraftGate:
             out = self._cost_cut(survival, cut_from, 0)
         probes: list[int] = []
         for i, req_id in enumerate(req_ids):
+            probed = req_id in self._probed
+            self._probed.discard(req_id)
             if out[i] > 0:
                 self._idle.pop(req_id, None)
+                self._interval.pop(req_id, None)
                 continue
+            if probed:  # its probe did not earn it drafts: wait twice as long for the next one (up to the cap)
+                self._interval[req_id] = min(2 * self._interval_of(req_id), self.max_probe_interval)
             idle = self._idle.get(req_id, 0) + 1
             self._idle[req_id] = idle
-            if idle >= self.probe_interval:
+            if idle >= self._interval_of(req_id):
                 probes.append(i)
+        self._steps += 1
+        if probes and costed and self._steps % self.probe_interval:
+            probes = []  # under the cost model, due probes wait for the shared probe step (one fixed cost for all)
         if probes and costed:  # one verifying step pays the fixed cost for all: probe the half-due ones with it
-            due = max(1, self.probe_interval // 2)
-            probes += [i for i, r in enumerate(req_ids) if out[i] == 0 and i not in probes and self._idle[r] >= due]
+            probes += [i for i, r in enumerate(req_ids) if out[i] == 0 and i not in probes
+                       and self._idle[r] >= max(1, self._interval_of(r) // 2)]
         for i in probes:
             out[i] = 1
             self._idle[req_ids[i]] = 0
+            self._probed.add(req_ids[i])
         if probes and costed:  # the step verifies anyway: drafts that only failed to pay the fixed cost may pay now
             rest = cut_from.copy()
             rest[probes] = 0
@@ -315,6 +333,9 @@ class DraftGate:
                 out[i] = extra[i]
                 self._idle.pop(req_ids[i], None)
         return out
+
+    def _interval_of(self, req_id: str) -> int:
+        return self._interval.get(req_id, self.probe_interval)
 
     def _cost_cut(self, survival: np.ndarray, keep: np.ndarray, forced: int) -> np.ndarray:
         assert self.cost is not None
@@ -325,3 +346,5 @@ class DraftGate:
 
     def remove(self, req_id: str) -> None:
         self._idle.pop(req_id, None)
+        self._interval.pop(req_id, None)
+        self._probed.discard(req_id)

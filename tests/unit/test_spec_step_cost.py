@@ -209,8 +209,9 @@ def test_gate_uses_the_cost_model_and_still_probes():
     mem = DraftGate(0.0, probe_interval=3, cost=_FixedCost(0.02, 0.00001))
     assert mem.apply(ids, probs, np.array([3, 3])).tolist() == [3, 3]
     comp = DraftGate(0.0, probe_interval=3, cost=_FixedCost(0.002, 0.001))
-    outs = [comp.apply(ids, probs, np.array([3, 3])).tolist() for _ in range(6)]
-    assert all(o[0] >= 1 for o in outs) and [o[1] for o in outs] == [0, 0, 1, 0, 0, 1]  # probed every 3rd step
+    outs = [comp.apply(ids, probs, np.array([3, 3])).tolist() for _ in range(12)]
+    # "bad" is probed on the shared probe steps (every 3rd); each failed probe doubles its wait (3, then 6)
+    assert all(o[0] >= 1 for o in outs) and [o[1] for o in outs] == [0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]
     assert comp.num_cost_cut > 0
     unready = DraftGate(0.0, 3, cost=StepCostModel())  # no samples yet: no cost cut
     assert unready.apply(ids, probs, np.array([3, 3])).tolist() == [3, 3]
@@ -224,11 +225,12 @@ def test_gate_batches_probes_and_lets_paid_verification_keep_drafts():
     cost = _FixedCost(0.02, 0.0001, 0.05)  # verification is expensive, tokens are cheap
     gate = DraftGate(0.0, probe_interval=4, cost=cost)
     gate._idle["a"] = 2  # "a" went idle before the others
-    outs = [gate.apply(ids, probs, np.array([3, 3, 3])).tolist() for _ in range(3)]
-    # nothing pays for c alone; "a"'s probe step also probes the half-way idle "b" and "c": one verifying step
-    assert outs == [[0, 0, 0], [1, 1, 1], [0, 0, 0]]
+    outs = [gate.apply(ids, probs, np.array([3, 3, 3])).tolist() for _ in range(5)]
+    # nothing pays for c alone; "a" is due at the 2nd step but waits for the shared probe step (the 4th), which
+    # also probes the by then due "b" and "c": one verifying step
+    assert outs == [[0, 0, 0]] * 3 + [[1, 1, 1], [0, 0, 0]]
     gate = DraftGate(0.0, probe_interval=8, cost=cost)
-    gate._idle["a"] = 6
+    gate._idle["a"], gate._steps = 7, 6  # "a" due now, the shared probe step next
     outs = [gate.apply(ids, probs, np.array([3, 3, 3])).tolist() for _ in range(3)]
     # "b", "c" not yet half-way: not probed, but once "a"'s probe pays c their cheap drafts ride along
     assert outs == [[0, 0, 0], [1, 2, 3], [0, 0, 0]] and gate._idle == {"a": 1, "b": 1, "c": 1}

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ascent.spec_decode.dynamic import (AcceptanceStats, DraftGate, DynamicSpecParams, DynamicSpecScheduler,
-                                        batch_size_k, build_batch_size_lookup, validate_batch_size_schedule)
+from ascent.spec_decode.dynamic import (PROBE_BACKOFF, AcceptanceStats, DraftGate, DynamicSpecParams,
+                                        DynamicSpecScheduler, batch_size_k, build_batch_size_lookup,
+                                        validate_batch_size_schedule)
 
 # ---------------------------------------------------------------------------------------------- batch-size schedule
 
@@ -173,6 +174,20 @@ def test_draft_gate_cuts_low_survival_to_zero_and_reprobes():
         DynamicSpecParams(min_draft_survival=-0.1)
     with pytest.raises(ValueError, match="probe_interval"):
         DynamicSpecParams(probe_interval=0)
+
+
+def test_failed_probes_back_off_and_drafting_resets_the_interval():
+    """A probe that does not earn the request its drafts back doubles its probe interval (up to PROBE_BACKOFF x);
+    once the request drafts on its own merit again, the next idle spell probes at the base interval."""
+    gate = DraftGate(min_survival=0.3, probe_interval=3)
+    low, high, keep = np.array([[0.2, 0.9]]), np.array([[0.9, 0.9]]), np.array([2])
+    probe_steps = [step for step in range(1, 40) if gate.apply(["r"], low, keep)[0] == 1]
+    assert probe_steps == [3, 9, 21, 33]  # gaps 3, 6, 12, then capped at PROBE_BACKOFF * 3 = 12
+    assert PROBE_BACKOFF == 4
+    assert gate.apply(["r"], high, keep).tolist() == [2]  # drafting again: the backoff is forgotten
+    assert [gate.apply(["r"], low, keep)[0] for _ in range(3)] == [0, 0, 1]
+    gate.remove("r")
+    assert not gate._interval and not gate._probed and not gate._idle
 
 
 def test_always_rejected_request_drops_to_zero_with_probes():
