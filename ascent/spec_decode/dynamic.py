@@ -271,8 +271,10 @@ class DraftGate:
     non-increasing); with a ready ``cost`` model the drafts that do not pay for their verification are cut as well
     (:func:`~ascent.spec_decode.step_cost.cost_cut`, marginal costs times ``cost_safety``). A request left at 0
     drafts counts its idle steps; on the ``probe_interval``-th it gets one draft (a probe of the first position), so
-    a request whose text turns repetitive is noticed again. Under the cost cut, a probing step also probes the idle
-    requests at least half-way to their probe (one verifying step instead of several).
+    a request whose text turns repetitive is noticed again; a probe after which it is still cut doubles its interval
+    (up to ``PROBE_BACKOFF`` times), drafting again restores it. Under the cost cut, due probes wait for the shared
+    probe step (every ``probe_interval``-th ``apply``), which also probes the idle requests at least half-way to
+    their probe (one verifying step instead of several).
     """
 
     def __init__(self, min_survival: float = 0.0, probe_interval: int = 16, cost: StepCostModel | None = None,
