@@ -18,11 +18,13 @@ from ascent.benchmarks.common import write_json
 
 def parse_concurrency_list(text: str) -> list[int]:
     """``"1,8,32"`` -> ``[1, 8, 32]`` (``ValueError`` naming the text for empty, non-integer or < 1 values)."""
+    from ascent.benchmarks.quant import parse_list
+
     try:
-        values = [int(x) for x in str(text).split(",") if x.strip()]
+        values = parse_list(text, int)
     except ValueError:
-        raise ValueError(f"concurrency sweep {text!r} must be comma-separated integers") from None
-    if not values or any(v < 1 for v in values):
+        raise ValueError(f"concurrency sweep {text!r} must be comma-separated integers >= 1") from None
+    if any(v < 1 for v in values):
         raise ValueError(f"concurrency sweep {text!r} must list concurrencies of at least 1")
     return values
 
