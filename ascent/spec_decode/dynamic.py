@@ -24,12 +24,14 @@ compute-bound batch verifying ones.
 
 Cost-aware gate (``cost_gate``, default on): the model runner times every decode step and feeds a
 :class:`~ascent.spec_decode.step_cost.StepCostModel` (``t_step ≈ a + b · tokens + c · [drafts]``, exponentially
-weighted with ``cost_half_life`` steps, active after ``cost_min_samples`` steps); :class:`DraftGate` then keeps a draft
-only while its survival ``s`` pays for its verification, ``s ≥ cost_safety_factor · b · G / (a + b · N)`` (``N``:
-tokens of the step, ``G``: its expected output), and only when the step's drafts together also pay the fixed cost
-``c`` of a verifying step (:func:`~ascent.spec_decode.step_cost.cost_cut`); probes of idle requests are batched into
-the same step. Memory-bound steps (batch 1) keep nearly every draft, compute-bound ones (large batches on few cores)
-only the likely ones.
+weighted with ``cost_half_life`` steps, one per batch-size bucket, active after ``cost_min_samples`` steps of that
+bucket, explored until then); :class:`DraftGate` then keeps a draft only while its survival ``s`` pays for its
+verification, ``s ≥ cost_safety_factor · b · G / (a + b · N)`` (``N``: tokens of the step, ``G``: its expected
+output), and only when the step's drafts together also pay the fixed cost ``c`` of a verifying step
+(:func:`~ascent.spec_decode.step_cost.cost_cut`); probes of idle requests are batched into the same step. For
+model-free proposers (suffix, n-gram) the runner drafts first and the gate cuts the drafts made, in place of the
+scheduler's shared budget (which still applies to model drafters and with ``cost_gate: false``). Memory-bound steps
+(batch 1) keep nearly every draft, compute-bound ones (large batches on few cores) only the likely ones.
 
 Goodput arbiter (``goodput_arbiter``, default off): a safety net over all of the above, which are models. The runner
 measures output tokens per second of decode steps with speculation and of interleaved windows without it, per
@@ -49,10 +51,11 @@ from typing import Any
 import numpy as np
 
 from ascent.spec_decode.arbiter import GoodputArbiter
-from ascent.spec_decode.step_cost import StepCostModel, cost_cut
+from ascent.spec_decode.step_cost import EXPLORE_MIN_DRAFTS, BatchStepCost, StepCostModel, best_drafts, cost_cut
 
 Schedule = list[tuple[int, int, int]]
 PROBE_BACKOFF = 4  # a failed probe doubles the request's probe interval, up to this multiple of probe_interval
+PRIOR_HALF_LIFE = 128.0  # verifications over which the global acceptance prior halves its weight
 
 
 def validate_batch_size_schedule(schedule: Any) -> Schedule:
@@ -152,11 +155,11 @@ class DynamicSpecParams:
             return None
         return GoodputArbiter(window=self.arbiter_window, interval=self.arbiter_interval)
 
-    def step_cost_model(self) -> StepCostModel | None:
-        """A fresh :class:`StepCostModel` for the cost-aware gate (None when ``cost_gate`` is off)."""
+    def step_cost_model(self) -> BatchStepCost | None:
+        """Fresh per-batch-size step-cost models for the cost-aware gate (None when ``cost_gate`` is off)."""
         if not self.cost_gate:
             return None
-        return StepCostModel(half_life=float(self.cost_half_life), min_samples=self.cost_min_samples)
+        return BatchStepCost(half_life=float(self.cost_half_life), min_samples=self.cost_min_samples)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DynamicSpecParams:
@@ -223,19 +226,26 @@ class AcceptanceStats:
     """Per-request, per-position acceptance counts from verification; estimates for model-free proposers.
 
     ``p_i(req) = (accepted_i + s * g_i) / (tried_i + s)`` with the global Laplace estimate
-    ``g_i = (all_accepted_i + 1) / (all_tried_i + 2)`` as prior of strength ``s = prior_strength``.
+    ``g_i = (all_accepted_i + 1) / (all_tried_i + 2)`` as prior of strength ``s = prior_strength``. The global counts
+    are exponentially weighted, halving every ``prior_half_life`` verifications (None: all history), so the prior of
+    a new request follows the recent traffic: an all-history prior carried a repetitive workload's acceptance (0.65
+    at the first position) into non-repetitive traffic (0.3), where the cost gate then kept drafts that did not pay.
     """
 
-    def __init__(self, num_speculative_tokens: int, prior_strength: float = 2.0) -> None:
+    def __init__(self, num_speculative_tokens: int, prior_strength: float = 2.0,
+                 prior_half_life: float | None = PRIOR_HALF_LIFE) -> None:
         if num_speculative_tokens < 1 or not prior_strength > 0:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens}, prior_strength={prior_strength} "
                              "are invalid: need k >= 1 and a positive prior strength")
+        if prior_half_life is not None and not prior_half_life > 0:
+            raise ValueError(f"prior_half_life={prior_half_life} is invalid: must be > 0 (verifications) or None")
         self.max_k = num_speculative_tokens
         self.prior_strength = prior_strength
+        self._decay = 1.0 if prior_half_life is None else 0.5 ** (1.0 / float(prior_half_life))
         self._tried: dict[str, np.ndarray] = {}
         self._accepted: dict[str, np.ndarray] = {}
-        self._all_tried = np.zeros(self.max_k, dtype=np.int64)
-        self._all_accepted = np.zeros(self.max_k, dtype=np.int64)
+        self._all_tried = np.zeros(self.max_k, dtype=np.float64)
+        self._all_accepted = np.zeros(self.max_k, dtype=np.float64)
 
     def record(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         """One verification: drafts ``0 .. num_accepted-1`` accepted, draft ``num_accepted`` (if any) rejected."""
@@ -245,6 +255,9 @@ class AcceptanceStats:
         tried = self._tried.setdefault(req_id, np.zeros(self.max_k, dtype=np.int64))
         accepted = self._accepted.setdefault(req_id, np.zeros(self.max_k, dtype=np.int64))
         reached = min(num_accepted + 1, num_drafts)
+        if self._decay < 1.0:
+            self._all_tried *= self._decay
+            self._all_accepted *= self._decay
         for arr, n in ((tried, reached), (accepted, num_accepted), (self._all_tried, reached),
                        (self._all_accepted, num_accepted)):
             arr[:n] += 1
@@ -269,15 +282,22 @@ class DraftGate:
 
     ``apply`` keeps, per request, ``min(keep, #(survival >= min_survival))`` drafts (a prefix: survival is
     non-increasing); with a ready ``cost`` model the drafts that do not pay for their verification are cut as well
-    (:func:`~ascent.spec_decode.step_cost.cost_cut`, marginal costs times ``cost_safety``). A request left at 0
+    (:func:`~ascent.spec_decode.step_cost.cost_cut`, marginal costs times ``cost_safety``). ``keep`` is either the
+    scheduler's budget (drafting follows) or, with ``drafted``, the lengths of the drafts a model-free proposer has
+    already made: the runner drafts first for those (at batch 1 the scheduler's budget of ``#(survival >=
+    budget_threshold)`` positions had held suffix decoding to AL 2.4 where its whole matches gave AL 3.0), and a
+    request without a draft is then neither idle nor probed. A request left at 0
     drafts counts its idle steps; on the ``probe_interval``-th it gets one draft (a probe of the first position), so
     a request whose text turns repetitive is noticed again; a probe after which it is still cut doubles its interval
     (up to ``PROBE_BACKOFF`` times), drafting again restores it. Under the cost cut, due probes wait for the shared
     probe step (every ``probe_interval``-th ``apply``), which also probes the idle requests at least half-way to
-    their probe (one verifying step instead of several).
+    their probe (one verifying step instead of several). ``cost`` is asked for the model of each step's batch size
+    (``for_batch``); while that model is not ready the step explores instead (every second one without drafts, the
+    others with at most ``max(requests, EXPLORE_MIN_DRAFTS)`` of the most likely drafts; no probe bookkeeping).
     """
 
-    def __init__(self, min_survival: float = 0.0, probe_interval: int = 16, cost: StepCostModel | None = None,
+    def __init__(self, min_survival: float = 0.0, probe_interval: int = 16,
+                 cost: StepCostModel | BatchStepCost | None = None,
                  cost_safety: float = 1.0) -> None:
         if not 0.0 <= min_survival <= 1.0 or probe_interval < 1 or not cost_safety >= 0:
             raise ValueError(f"min_survival={min_survival}, probe_interval={probe_interval}, cost_safety="
@@ -294,20 +314,27 @@ class DraftGate:
         self._probed: set[str] = set()  # requests probed at the last apply
         self._steps = 0  # apply calls; under the cost model probes happen every probe_interval-th
 
-    def apply(self, req_ids: Sequence[str], token_probs: np.ndarray, keep: np.ndarray) -> np.ndarray:
-        """``token_probs [B, D]`` (as for :meth:`DynamicSpecScheduler.update`), ``keep [B]`` -> gated lengths."""
+    def apply(self, req_ids: Sequence[str], token_probs: np.ndarray, keep: np.ndarray,
+              drafted: bool = False) -> np.ndarray:
+        """``token_probs [B, D]`` (as for :meth:`DynamicSpecScheduler.update`), ``keep [B]`` -> gated lengths
+        (``drafted``: ``keep`` are the lengths of drafts already made)."""
         survival = survival_of(np.asarray(token_probs, dtype=np.float64))
         keep = np.asarray(keep, dtype=np.int64)
+        model = self.cost.for_batch(len(keep)) if self.cost is not None and len(keep) > 0 else None
         out = np.minimum(keep, (survival >= self.min_survival).sum(axis=1)) if self.min_survival > 0 else keep.copy()
         cut_from = out.copy()
-        costed = self.cost is not None and self.cost.ready and len(out) > 0
-        if costed:
-            out = self._cost_cut(survival, cut_from, 0)
+        if model is not None and not model.ready:  # learn this batch size's costs first
+            if model.exploring_plain():
+                return np.zeros_like(out)
+            return best_drafts(survival, out, max(len(out), EXPLORE_MIN_DRAFTS))
+        costed = model is not None
+        if model is not None:
+            out = self._cost_cut(model, survival, cut_from, 0)
         probes: list[int] = []
         for i, req_id in enumerate(req_ids):
             probed = req_id in self._probed
             self._probed.discard(req_id)
-            if out[i] > 0:
+            if out[i] > 0 or (drafted and keep[i] == 0):  # drafting, or nothing to draft: not held back
                 self._idle.pop(req_id, None)
                 self._interval.pop(req_id, None)
                 continue
@@ -322,7 +349,7 @@ class DraftGate:
             probes = []  # under the cost model, due probes wait for the shared probe step (one fixed cost for all)
         if probes and costed:  # one verifying step pays the fixed cost for all: probe the half-due ones with it
             probes += [i for i, r in enumerate(req_ids) if out[i] == 0 and i not in probes
-                       and self._idle[r] >= max(1, self._interval_of(r) // 2)]
+                       and self._idle.get(r, 0) >= max(1, self._interval_of(r) // 2)]
         for i in probes:
             out[i] = 1
             self._idle[req_ids[i]] = 0
@@ -330,7 +357,8 @@ class DraftGate:
         if probes and costed:  # the step verifies anyway: drafts that only failed to pay the fixed cost may pay now
             rest = cut_from.copy()
             rest[probes] = 0
-            extra = self._cost_cut(survival, rest, len(probes))
+            assert model is not None
+            extra = self._cost_cut(model, survival, rest, len(probes))
             for i in np.flatnonzero(extra > out):
                 out[i] = extra[i]
                 self._idle.pop(req_ids[i], None)
@@ -339,10 +367,9 @@ class DraftGate:
     def _interval_of(self, req_id: str) -> int:
         return self._interval.get(req_id, self.probe_interval)
 
-    def _cost_cut(self, survival: np.ndarray, keep: np.ndarray, forced: int) -> np.ndarray:
-        assert self.cost is not None
-        a, b, c = self.cost.coefficients()
-        cut = cost_cut(survival, keep, a, b, c, self.cost_safety, forced_drafts=forced, e=self.cost.row_block_cost())
+    def _cost_cut(self, model: StepCostModel, survival: np.ndarray, keep: np.ndarray, forced: int) -> np.ndarray:
+        a, b, c = model.coefficients()
+        cut = cost_cut(survival, keep, a, b, c, self.cost_safety, forced_drafts=forced, e=model.row_block_cost())
         self.num_cost_cut += int(keep.sum() - cut.sum())
         return cut
 

@@ -26,6 +26,15 @@ drafts are a prefix, since survival is non-increasing along a draft. At batch 1 
 nearly every draft is kept; on a compute-bound step with many requests (``a ≲ b · B``) only near-certain drafts
 survive. ``safety`` multiplies the marginal costs of the drafts (> 1: keep fewer, a margin for a noisy fit or
 optimistic acceptance estimates).
+
+:class:`BatchStepCost` keeps one model per batch-size bucket (``num_reqs.bit_length()``: 1, 2-3, 4-7, 8-15, ...):
+the cost of a token is not one number over all batch sizes (a step of a few requests streams the weights and tokens
+are nearly free; at 16 requests on 2 cores each token costs real GEMM time), and one affine fit over a draining
+batch mixed both. Until a bucket's model is ready the gate explores it (:meth:`StepCostModel.exploring_plain`):
+alternate steps carry no drafts and at most ``max(requests, EXPLORE_MIN_DRAFTS)`` drafts, so the fit sees how the
+step's time moves with its tokens at that batch size before it decides; the former single model, ready after a few
+warm-up steps at batch 1-2, had let the first steps of a 16-request batch verify 30 drafts each at 3x a plain step's
+time.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import math
 import numpy as np
 
 ROW_BLOCK = 16  # tokens per row block of the step's GEMMs (AMX tiles: a 17th row starts a second tile pass)
+EXPLORE_MIN_DRAFTS = ROW_BLOCK  # an exploring step may carry up to max(requests, this) drafts
 
 
 class StepCostModel:
@@ -61,6 +71,7 @@ class StepCostModel:
         self._xty = np.zeros(4)  # EW sums of f · seconds
         self._coef: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
         self._abs_resid = 0.0  # EW mean absolute residual (winsorized)
+        self._explored = 0  # exploration decisions made before ready (exploring_plain)
 
     # ------------------------------------------------------------------------------------------------ updates
     def observe(self, num_tokens: float, seconds: float, verify: bool = False) -> None:
@@ -122,6 +133,16 @@ class StepCostModel:
         self._coef = (float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]))
 
     # ------------------------------------------------------------------------------------------------ queries
+    def for_batch(self, num_reqs: int) -> "StepCostModel":
+        """The model for steps of ``num_reqs`` requests: this one (:class:`BatchStepCost` keeps one per bucket)."""
+        return self
+
+    def exploring_plain(self) -> bool:
+        """Before ``ready``: whether the next step should carry no drafts (every second decision, starting with a
+        drafting step), so the fit sees steps with and without drafts at the same batch size."""
+        self._explored += 1
+        return self._explored % 2 == 0
+
     @property
     def ready(self) -> bool:
         """True once ``min_samples`` observations were fitted."""
@@ -153,6 +174,49 @@ def row_blocks(num_tokens: float) -> float:
     return float(math.ceil(float(num_tokens) / ROW_BLOCK))
 
 
+class BatchStepCost:
+    """One :class:`StepCostModel` per batch-size bucket ``num_reqs.bit_length()`` (module docstring), created on
+    first use with the same parameters."""
+
+    def __init__(self, **model_kwargs: float | int) -> None:
+        StepCostModel(**model_kwargs)  # validate now, not at the first step
+        self._kwargs = model_kwargs
+        self.models: dict[int, StepCostModel] = {}
+
+    @staticmethod
+    def bucket_of(num_reqs: int) -> int:
+        return max(int(num_reqs), 0).bit_length()
+
+    def for_batch(self, num_reqs: int) -> StepCostModel:
+        """The model of ``num_reqs``'s bucket (a fresh, unready one the first time)."""
+        bucket = self.bucket_of(num_reqs)
+        model = self.models.get(bucket)
+        if model is None:
+            model = self.models[bucket] = StepCostModel(**self._kwargs)  # type: ignore[arg-type]
+        return model
+
+    @property
+    def num_observed(self) -> int:
+        return sum(m.num_observed for m in self.models.values())
+
+
+def ranked_drafts(survival: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kept drafts (``keep [B]`` per row of ``survival [B, D]``) as (rows, survival values), by decreasing
+    survival, ties to the earlier column then row: any leading count of them is a prefix of every row."""
+    width = survival.shape[1]
+    rows_idx, cols_idx = np.nonzero(np.arange(width)[None, :] < keep[:, None])
+    values = survival[rows_idx, cols_idx]
+    order = np.lexsort((rows_idx, cols_idx, -values))
+    return rows_idx[order], values[order]
+
+
+def best_drafts(survival: np.ndarray, keep: np.ndarray, count: int) -> np.ndarray:
+    """int64 ``[B]``: the ``count`` most likely of the kept drafts (all of them when fewer), a prefix per row."""
+    keep = np.minimum(np.maximum(np.asarray(keep, dtype=np.int64), 0), survival.shape[1])
+    rows_idx, _ = ranked_drafts(np.asarray(survival, dtype=np.float64), keep)
+    return np.bincount(rows_idx[:max(int(count), 0)], minlength=len(keep)).astype(np.int64)
+
+
 def cost_cut(survival: np.ndarray, keep: np.ndarray, a: float, b: float, c: float = 0.0, safety: float = 1.0,
              forced_drafts: int = 0, e: float = 0.0) -> np.ndarray:
     """Throughput-optimal cut of the per-request draft lengths ``keep [B]`` given cumulative acceptance survival
@@ -165,11 +229,8 @@ def cost_cut(survival: np.ndarray, keep: np.ndarray, a: float, b: float, c: floa
     keep = np.minimum(np.maximum(np.asarray(keep, dtype=np.int64), 0), survival.shape[1])
     if (not b > 0 and not c > 0 and not e > 0) or keep.sum() == 0:
         return keep.copy()
-    num_reqs, width = survival.shape
-    rows_idx, cols_idx = np.nonzero(np.arange(width)[None, :] < keep[:, None])
-    values = survival[rows_idx, cols_idx]
-    order = np.lexsort((rows_idx, cols_idx, -values))  # by survival, ties: earlier column (keeps prefixes)
-    rows_idx, cols_idx, values = rows_idx[order], cols_idx[order], values[order]
+    num_reqs = survival.shape[0]
+    rows_idx, values = ranked_drafts(survival, keep)
     count = np.arange(len(values) + 1, dtype=np.float64)
     gain = num_reqs + np.concatenate(([0.0], np.cumsum(values)))
     scale = max(float(safety), 0.0)

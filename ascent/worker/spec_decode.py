@@ -17,8 +17,9 @@ without drafts skips the proposer's drafting entirely (it still learns the commi
 
 Step timing (cost-aware gate ``dynamic_params.cost_gate``, goodput arbiter ``goodput_arbiter``): the model runner
 wraps every step in :meth:`SpecDecodeRunner.timed_step`; a decode-only step (every request computes 1 token plus its
-drafts) yields one sample ``(tokens, seconds, carried drafts)`` for the :class:`StepCostModel` and one ``(requests,
-output tokens, seconds, speculated)`` for the :class:`GoodputArbiter`, where ``seconds`` runs from its start to the
+drafts) yields one sample ``(tokens, seconds, carried drafts)`` for the step-cost model of its batch size
+(:class:`BatchStepCost`) and one ``(requests, output tokens, seconds, speculated)`` for the :class:`GoodputArbiter`,
+where ``seconds`` runs from its start to the
 next step's start (so scheduler, proposer and output processing count), or is its own execution time when the
 engine idled in between. With the arbiter on, it decides at each proposal whether the next step speculates.
 """
@@ -43,7 +44,7 @@ from ascent.spec_decode.dynamic import (AcceptanceStats, DraftGate, DynamicSpecP
                                         batch_size_k)
 from ascent.spec_decode.model_proposer import ModelProposer, TargetStep
 from ascent.spec_decode.registry import get_proposer_cls
-from ascent.spec_decode.step_cost import StepCostModel
+from ascent.spec_decode.step_cost import BatchStepCost, StepCostModel
 from ascent.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class SpecDecodeRunner:
         self.dynamic: DynamicSpecScheduler | None = None
         self.acceptance: AcceptanceStats | None = None
         self.gate: DraftGate | None = None
-        self.step_cost: StepCostModel | None = None
+        self.step_cost: StepCostModel | BatchStepCost | None = None
         self.arbiter: GoodputArbiter | None = None
         if config.dynamic:
             params = DynamicSpecParams.from_dict(config.dynamic_params)
@@ -161,7 +162,7 @@ class SpecDecodeRunner:
         period = now - step.start
         seconds = period if period <= IDLE_GAP_FACTOR * step.busy else step.busy
         if self.step_cost is not None:
-            self.step_cost.observe(step.tokens, seconds, step.verify)
+            self.step_cost.for_batch(step.num_reqs).observe(step.tokens, seconds, step.verify)
         if self.arbiter is not None and step.speculated is not None:
             self.arbiter.observe(step.num_reqs, step.output_tokens, seconds, step.speculated)
 
@@ -241,26 +242,36 @@ class SpecDecodeRunner:
         rows = [batch.req_id_to_index[r] for r in req_ids]
         token_ids = [batch.token_ids[row, : int(batch.num_tokens[row])] for row in rows]
         budget = [max(0, min(cap, self.max_model_len - 1 - len(t))) for t in token_ids]
-        if self.dynamic is not None and self.acceptance is not None:
+        gate_drafted = self._gates_drafted()
+        if self.dynamic is not None and self.acceptance is not None and not gate_drafted:
             probs = self.acceptance.token_probs(req_ids)
             keep = self.dynamic.update(probs)
             if self.gate is not None:
                 keep = self.gate.apply(req_ids, probs, keep)
             budget = [min(b, int(n)) for b, n in zip(budget, keep)]
-        self.last_draft_lengths.update(zip(req_ids, budget))
         if not any(budget):  # model drafters catch up on the skipped positions at their next proposal
+            self.last_draft_lengths.update(zip(req_ids, budget))
             return {}
         if isinstance(self.proposer, ModelProposer):
             self.proposer.set_sampling(*_sampling_of(batch, req_ids))
         proposals = self.proposer.propose(req_ids, token_ids, budget)
-        out: dict[str, list[int]] = {}
-        for i, req_id in enumerate(req_ids):
-            if budget[i] <= 0:
-                continue
-            drafts = [int(t) for t in np.asarray(proposals[i]).tolist() if t >= 0][: budget[i]]
-            if drafts:
-                out[req_id] = drafts
-        return out
+        drafts = [[int(t) for t in np.asarray(row).tolist() if t >= 0][:b] for row, b in zip(proposals, budget)]
+        if gate_drafted:
+            assert self.gate is not None and self.acceptance is not None
+            keep = self.gate.apply(req_ids, self.acceptance.token_probs(req_ids),
+                                   np.array([len(d) for d in drafts], dtype=np.int64), drafted=True)
+            drafts = [d[: int(n)] for d, n in zip(drafts, keep)]
+            budget = [len(d) for d in drafts]
+        self.last_draft_lengths.update(zip(req_ids, budget))
+        return {req_id: d for req_id, d in zip(req_ids, drafts) if d}
+
+    def _gates_drafted(self) -> bool:
+        """Draft first, then gate: a model-free proposer (drafting costs next to nothing) under the cost gate. The
+        gate then cuts the drafts that exist, by their estimated survival, instead of a budget of positions planned
+        before drafting (most of which a suffix or n-gram proposer leaves empty: no match), and the scheduler's
+        shared budget does not apply (the measured cost decides)."""
+        return (self.gate is not None and self.gate.cost is not None and self.acceptance is not None
+                and not isinstance(self.proposer, ModelProposer))
 
 
 def _sampling_of(batch: InputBatch, req_ids: list[str]) -> tuple[dict[str, float], dict[str, Any]]:

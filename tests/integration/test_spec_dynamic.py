@@ -1,4 +1,7 @@
-"""``dynamic: true``: per-request draft lengths follow acceptance (DynamicSpecScheduler wired into the runner)."""
+"""``dynamic: true``: per-request draft lengths follow acceptance (DynamicSpecScheduler wired into the runner).
+
+These run with ``cost_gate: false``: with the cost gate a model-free proposer drafts first and the gate cuts its drafts
+(tests/unit/test_spec_step_cost.py), and the scheduler's budget applies only without it (or to model drafters)."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ def plain(tiny_llama_dir) -> dict[tuple[int, ...], list[int]]:
 
 def _dynamic_llm(model_dir: str, plain) -> tuple[LLM, _ScriptedProposer]:
     spec = {"method": "ngram", "num_speculative_tokens": K, "dynamic": True,
-            "dynamic_params": {"budget_update_interval": 2, "min_verify_tokens": 1}}
+            "dynamic_params": {"budget_update_interval": 2, "min_verify_tokens": 1, "cost_gate": False}}
     llm = LLM(model=model_dir, speculative_config=spec, dtype="float32", max_model_len=128, disable_log_stats=True)
     runner = llm.llm_engine.engine_core.worker.model_runner.spec
     proposer = _ScriptedProposer(runner.config, 128, plain)
@@ -67,7 +70,8 @@ def _scripted_llm(model_dir: str, plain, **spec_extra) -> tuple[LLM, _ScriptedPr
 
 def test_rejected_request_drops_to_zero_drafts_and_is_reprobed(tiny_llama_dir, plain):
     llm, proposer = _scripted_llm(tiny_llama_dir, plain, dynamic=True,
-                                  dynamic_params={"min_draft_survival": 0.3, "probe_interval": 4})
+                                  dynamic_params={"min_draft_survival": 0.3, "probe_interval": 4,
+                                                  "cost_gate": False})
     assert _run(llm, [BAD]) == [plain[tuple(BAD)]]
     budgets = proposer.budgets[tuple(BAD)]  # propose() runs only when some request may draft; the uninformed
     # prior (1/2 per position) gives one draft first

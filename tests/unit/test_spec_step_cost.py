@@ -14,7 +14,7 @@ from ascent import LLM, SamplingParams
 from ascent.core.sched_output import CachedRequestData, SchedulerOutput
 from tests.fixtures.scripted_proposer import BAD, GOOD, ScriptedProposer, plain_continuations, run_greedy
 from ascent.spec_decode.dynamic import DraftGate, DynamicSpecParams
-from ascent.spec_decode.step_cost import ROW_BLOCK, StepCostModel, cost_cut
+from ascent.spec_decode.step_cost import ROW_BLOCK, BatchStepCost, StepCostModel, best_drafts, cost_cut
 
 
 # ---------------------------------------------------------------------------------------------------- the fit
@@ -219,6 +219,56 @@ def test_gate_uses_the_cost_model_and_still_probes():
         DraftGate(0.0, 3, cost_safety=-1.0)
 
 
+def test_gate_on_made_drafts_neither_idles_nor_probes_requests_without_one():
+    probs = np.array([[0.9, 0.9, 0.9], [0.6, 0.6, 0.6], [0.2, 0.2, 0.2]])
+    ids = ["a", "b", "c"]
+    gate = DraftGate(0.0, probe_interval=2, cost=_FixedCost(0.003, 0.001))
+    outs = [gate.apply(ids, probs, np.array([3, 0, 2]), drafted=True).tolist() for _ in range(6)]
+    assert all(o[0] == 3 and o[1] == 0 for o in outs)  # "b" made no draft: kept at 0, never probed
+    assert any(o[2] == 1 for o in outs) and "b" not in gate._idle  # "c"'s drafts are cut, it is probed
+
+
+class _FixedDrafts:
+    """A model-free proposer stub: fixed drafts per request; records the lengths it was asked for."""
+
+    deterministic = True
+
+    def __init__(self, drafts: dict[str, list[int]]) -> None:
+        self.drafts, self.asked = drafts, []
+
+    def update_request(self, req_id: str, new_token_ids: list[int]) -> None:
+        pass
+
+    def propose(self, req_ids, token_ids, max_num_tokens):
+        self.asked.append(list(max_num_tokens))
+        width = max(max_num_tokens)
+        return np.array([(self.drafts[r] + [-1] * width)[:width] for r in req_ids])
+
+
+def test_runner_drafts_first_then_gates_for_model_free_proposers():
+    from types import SimpleNamespace
+
+    from ascent.spec_decode.base import SpeculativeConfig
+    from ascent.worker.spec_decode import SpecDecodeRunner
+
+    k, ids = 8, ["a", "b", "c"]
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=k, dynamic=True)
+    runner = SpecDecodeRunner(config, 128, "host", None)
+    assert runner.dynamic.budget_k < k  # the scheduler's initial shared budget would hold drafts below k
+    runner.proposer = stub = _FixedDrafts({"a": list(range(1, 9)), "b": [], "c": [7, 8]})
+    batch = SimpleNamespace(num_reqs=3, req_id_to_index={r: i for i, r in enumerate(ids)},
+                            token_ids=np.ones((3, 128), dtype=np.int64), num_tokens=np.full(3, 10))
+    runner.gate.cost = runner.step_cost = _FixedCost(0.02, 0.0)  # memory-bound: drafts are free
+    assert runner.propose(batch, ids, [[], [], []]) == {"a": list(range(1, 9)), "c": [7, 8]}
+    assert stub.asked == [[k] * 3]  # drafted at the full length, not the scheduler's budget
+    runner.gate.cost = _FixedCost(0.002, 0.001)  # compute-bound: only likely drafts pay
+    for _ in range(20):  # "a" always accepted at every position, "c" never
+        runner.acceptance.record("a", k, k)
+        runner.acceptance.record("c", 2, 0)
+    out = runner.propose(batch, ids, [[], [], []])
+    assert len(out["a"]) >= 4 and "c" not in out and runner.last_draft_lengths == {"a": len(out["a"]), "b": 0, "c": 0}
+
+
 def test_gate_batches_probes_and_lets_paid_verification_keep_drafts():
     ids = ["a", "b", "c"]
     probs = np.array([[0.2, 0.2, 0.2], [0.2, 0.2, 0.2], [0.5, 0.5, 0.5]])
@@ -241,7 +291,8 @@ def test_params_defaults_and_validation():
     params = DynamicSpecParams()
     assert params.cost_gate and params.cost_safety_factor == 1.0
     model = params.step_cost_model()
-    assert isinstance(model, StepCostModel) and model.min_samples == params.cost_min_samples
+    assert isinstance(model, BatchStepCost) and model.for_batch(3).min_samples == params.cost_min_samples
+    assert model.for_batch(2) is model.for_batch(3) is not model.for_batch(4)  # buckets 2-3 and 4-7
     assert DynamicSpecParams.from_dict({"cost_gate": False}).step_cost_model() is None
     DynamicSpecParams.from_dict({"cost_safety_factor": 0, "cost_half_life": 8, "cost_min_samples": 2})
     for bad, match in (({"cost_gate": 1}, "cost_gate"), ({"cost_gate": "yes"}, "cost_gate"),
@@ -290,16 +341,21 @@ def test_runner_times_decode_steps_with_an_injected_clock():
     assert runner.step_cost is not None and runner.gate is not None and runner.gate.cost is runner.step_cost
     clock = runner.clock = _Clock()
     a, b, overhead = 0.010, 0.002, 0.001
-    for i in range(40):
-        num_reqs, drafts = 1 + i % 4, i % 3
+    for i in range(41):
+        num_reqs, drafts = (2 + i % 2, i % 3) if i < 40 else (8, 1)  # batch-size bucket 2-3, then one of 8-15
         so = _so(num_reqs, drafts, extra_tokens=50 if i % 10 == 9 else 0)  # prefill steps are not sampled
         with runner.timed_step(so):
             clock.t += a - overhead + b * so.total_num_scheduled_tokens + (0.003 if drafts else 0.0)
         clock.t += overhead + (60.0 if i == 20 else 0.0)  # between steps; once the engine idles for a minute
-    fit_a, fit_b, fit_c = runner.step_cost.coefficients()
-    assert fit_c == pytest.approx(0.003, rel=0.25)  # ridge-shrunk a little on 36 samples
-    assert fit_a == pytest.approx(a, rel=0.05) and fit_b == pytest.approx(b, rel=0.05)  # idle step: busy only
-    assert runner.step_cost.num_observed == 40 - 4  # 4 prefill steps (the last one closes step 38)
+    model = runner.step_cost.for_batch(3)
+    fit_a, fit_b, fit_c = model.coefficients()
+    assert fit_c == pytest.approx(0.003, rel=0.3)  # ridge-shrunk on 36 samples of a narrow token range
+    assert fit_a == pytest.approx(a, rel=0.05) and fit_b == pytest.approx(b, rel=0.1)  # idle step: busy only
+    assert model.num_observed == 40 - 4  # 4 prefill steps (step 39, the last of the bucket, closes at step 40)
+    assert runner.step_cost.for_batch(8).num_observed == 0 and not runner.step_cost.for_batch(8).ready
+    with runner.timed_step(_so(8, 0)):  # closes the 8-request step
+        pass
+    assert runner.step_cost.for_batch(15).num_observed == 1 and runner.step_cost.num_observed == 37
     off = SpecDecodeRunner(SpeculativeConfig(method="ngram", num_speculative_tokens=3, dynamic=True,
                                              dynamic_params={"cost_gate": False}), 128, "host", None)
     with off.timed_step(_so(2, 1)):
@@ -334,6 +390,17 @@ def _gated_llm(model_dir: str, plain, cost: StepCostModel | None, real_suffix: b
     if not real_suffix:
         proposer = _ScriptedProposer(runner.config, 128, plain)
         runner.proposer = proposer
+        proposer.gated = {p: [] for p in plain}  # per prompt, the drafts each step kept after the gate
+        propose = runner.propose
+
+        def recording_propose(batch, req_ids, new_tokens):
+            drafts = propose(batch, req_ids, new_tokens)
+            for req_id in req_ids:
+                if req_id in proposer.prompt_of:
+                    proposer.gated[proposer.prompt_of[req_id]].append(len(drafts.get(req_id, [])))
+            return drafts
+
+        runner.propose = recording_propose
     if cost is not None:
         runner.gate.cost = runner.step_cost = cost
     return llm, proposer
@@ -344,22 +411,22 @@ def test_greedy_equal_under_the_cost_gate(tiny_llama_dir, plain):
     # memory-bound: drafts are nearly free, the good request keeps its full drafts
     llm, proposer = _gated_llm(tiny_llama_dir, plain, _FixedCost(0.02, 1e-5))
     assert _run(llm, [GOOD, BAD]) == expected
-    assert max(proposer.budgets[tuple(GOOD)]) == K
+    assert max(proposer.gated[tuple(GOOD)]) == K and set(proposer.budgets[tuple(GOOD)]) <= {K, K - 1}
     # mid cost: the always-accepted request keeps drafting, the always-rejected one is cut to probes
     llm, proposer = _gated_llm(tiny_llama_dir, plain, _FixedCost(0.01, 0.004))
     assert _run(llm, [GOOD, BAD]) == expected
-    good, bad = proposer.budgets[tuple(GOOD)], proposer.budgets[tuple(BAD)]
+    good, bad = proposer.gated[tuple(GOOD)], proposer.gated[tuple(BAD)]
     assert sum(good) > sum(bad) and bad.count(0) > len(bad) // 2
     # fully compute-bound: only probes survive, output unchanged
     llm, proposer = _gated_llm(tiny_llama_dir, plain, _FixedCost(0.0, 0.004))
     assert _run(llm, [GOOD, BAD]) == expected
-    assert set(proposer.budgets[tuple(BAD)]) <= {0, 1}
+    assert set(proposer.gated[tuple(BAD)]) <= {0, 1}
 
 
 def test_greedy_equal_with_real_suffix_and_the_default_timed_gate(tiny_llama_dir, plain):
     llm, _ = _gated_llm(tiny_llama_dir, plain, None, real_suffix=True)
     assert _run(llm, [GOOD, BAD, GOOD]) == [plain[tuple(GOOD)], plain[tuple(BAD)], plain[tuple(GOOD)]]
-    assert llm.llm_engine.engine_core.worker.model_runner.spec.step_cost.ready
+    assert any(m.ready for m in llm.llm_engine.engine_core.worker.model_runner.spec.step_cost.models.values())
 
 
 def test_greedy_equal_while_the_goodput_arbiter_alternates_modes(tiny_llama_dir, plain):
@@ -374,3 +441,33 @@ def test_greedy_equal_while_the_goodput_arbiter_alternates_modes(tiny_llama_dir,
     assert _run(llm, [GOOD, BAD]) == [plain[tuple(GOOD)], plain[tuple(BAD)]]
     assert runner.arbiter is not None and min(runner.arbiter.num_steps) > 0
     assert all(r > 0 for r in runner.arbiter.rates(2))  # decode steps of both modes were timed and attributed
+
+
+# ---------------------------------------------------------------------------------------------------- exploration
+def test_best_drafts_takes_the_most_likely_as_row_prefixes():
+    survival = np.cumprod(np.array([[0.9] * 24, [0.5] * 24, [0.99] * 24]), axis=1)
+    keep = np.array([24, 24, 3])
+    out = best_drafts(survival, keep, 16)
+    # 0.9^i beats 0.5^j while 0.9^i >= 0.5^j; the third row is held to its 3 kept drafts
+    assert out.tolist() == [12, 1, 3] and out.sum() == 16  # 0.9^12 = 0.28 > 0.5^2 = 0.25
+    assert best_drafts(survival, keep, 100).tolist() == [24, 24, 3]
+    assert best_drafts(survival, keep, 0).tolist() == [0, 0, 0]
+
+
+def test_gate_explores_a_batch_size_before_its_model_is_ready():
+    cost = BatchStepCost(min_samples=4)
+    gate = DraftGate(0.0, probe_interval=3, cost=cost)
+    ids, keep = ["a", "b"], np.array([24, 24])
+    probs = np.array([[0.9] * 24, [0.5] * 24])
+    capped = best_drafts(np.cumprod(probs, axis=1), keep, ROW_BLOCK).tolist()
+    outs = [gate.apply(ids, probs, keep).tolist() for _ in range(4)]
+    # drafting steps carry the max(2 requests, ROW_BLOCK) most likely drafts, every second step none; no probes
+    assert outs == [capped, [0, 0], capped, [0, 0]] and sum(capped) == ROW_BLOCK and gate._idle == {}
+    for tokens, seconds in ((2, 0.020), (18, 0.020), (2, 0.020), (18, 0.020)):  # memory-bound: drafts free
+        cost.for_batch(2).observe(tokens, seconds, verify=tokens > 2)
+    assert cost.for_batch(3).ready and not cost.for_batch(4).ready
+    assert gate.apply(ids, probs, keep).tolist() == [24, 24]  # the 2-3 bucket's model keeps every draft
+    four = gate.apply(["a", "b", "c", "d"], np.repeat(probs, 2, axis=0), np.array([24] * 4))
+    assert four.sum() == ROW_BLOCK  # a new batch size explores again
+    with pytest.raises(ValueError, match="min_samples"):
+        BatchStepCost(min_samples=1)

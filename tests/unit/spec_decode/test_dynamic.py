@@ -114,7 +114,7 @@ def test_update_rejects_wrong_width():
 
 
 def test_acceptance_stats_counts_and_prior():
-    stats = AcceptanceStats(4, prior_strength=2.0)
+    stats = AcceptanceStats(4, prior_strength=2.0, prior_half_life=None)
     stats.record("a", num_drafts=4, num_accepted=2)  # tried 0,1,2; accepted 0,1
     stats.record("a", num_drafts=1, num_accepted=1)  # tried 0; accepted 0
     tried, accepted = np.array([2, 1, 1, 0]), np.array([2, 1, 0, 0])  # "a" is the only request: global == own
@@ -125,6 +125,23 @@ def test_acceptance_stats_counts_and_prior():
     np.testing.assert_allclose(stats.token_probs(["a"])[0], g, rtol=1e-12)
     with pytest.raises(ValueError, match="num_accepted=3, num_drafts=2"):
         stats.record("a", 2, 3)
+    with pytest.raises(ValueError, match="prior_half_life"):
+        AcceptanceStats(4, prior_half_life=0.0)
+
+
+def test_acceptance_prior_follows_recent_traffic():
+    recent, history = AcceptanceStats(2, prior_half_life=16), AcceptanceStats(2, prior_half_life=None)
+    for stats in (recent, history):
+        for i in range(200):  # repetitive traffic: every first draft accepted
+            stats.record(f"rep{i}", 1, 1)
+        for i in range(64):  # then non-repetitive: every first draft rejected
+            stats.record(f"new{i}", 1, 0)
+    g_recent, g_history = recent.token_probs(["unseen"])[0, 0], history.token_probs(["unseen"])[0, 0]
+    d = 0.5 ** (1 / 16)  # each record first decays the global counts, then adds its own
+    accepted, tried = d ** 64 * (1 - d ** 200) / (1 - d), (1 - d ** 264) / (1 - d)
+    assert g_recent == pytest.approx((accepted + 1) / (tried + 2), rel=1e-9)
+    assert g_history == pytest.approx(201 / 266, rel=1e-12)
+    assert g_recent < 0.1 < 0.7 < g_history
 
 
 def test_lengths_follow_acceptance_statistics_within_budget():
