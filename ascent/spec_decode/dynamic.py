@@ -51,7 +51,8 @@ from typing import Any
 import numpy as np
 
 from ascent.spec_decode.arbiter import GoodputArbiter
-from ascent.spec_decode.step_cost import EXPLORE_MIN_DRAFTS, BatchStepCost, StepCostModel, best_drafts, cost_cut
+from ascent.spec_decode.step_cost import (EXPLORE_MIN_DRAFTS, BatchStepCost, StepCostModel, best_drafts, cost_cut,
+                                          row_blocks)
 
 Schedule = list[tuple[int, int, int]]
 PROBE_BACKOFF = 4  # a failed probe doubles the request's probe interval, up to this multiple of probe_interval
@@ -314,10 +315,27 @@ class DraftGate:
         self._probed: set[str] = set()  # requests probed at the last apply
         self._steps = 0  # apply calls; under the cost model probes happen every probe_interval-th
 
+    def drafting_mask(self, token_probs: np.ndarray) -> np.ndarray:
+        """bool ``[B]``: the requests worth drafting for the next :meth:`apply` (``drafted``) with this batch. All of
+        them, except on a ready cost model's steps that are not a shared probe step: there a request whose first
+        draft cannot pay even alone, ``s_1 < cost_safety · b · B / (a + b · B + e · blocks(B))`` (the most lenient
+        bar: the rate of the step without drafts), gets no draft from the cost cut whatever the proposer makes, so
+        the proposer need not run for it (pass the complement as ``skipped``)."""
+        probs = np.asarray(token_probs, dtype=np.float64)
+        num_reqs = probs.shape[0]
+        model = self.cost.for_batch(num_reqs) if self.cost is not None and num_reqs > 0 else None
+        if model is None or not model.ready or (self._steps + 1) % self.probe_interval == 0:
+            return np.ones(num_reqs, dtype=bool)
+        a, b, _ = model.coefficients()
+        plain = a + b * num_reqs + model.row_block_cost() * row_blocks(num_reqs)
+        bar = self.cost_safety * b * num_reqs / plain if plain > 0 else 0.0
+        return np.minimum(probs[:, 0], 1.0) >= bar
+
     def apply(self, req_ids: Sequence[str], token_probs: np.ndarray, keep: np.ndarray,
-              drafted: bool = False) -> np.ndarray:
+              drafted: bool = False, skipped: np.ndarray | None = None) -> np.ndarray:
         """``token_probs [B, D]`` (as for :meth:`DynamicSpecScheduler.update`), ``keep [B]`` -> gated lengths
-        (``drafted``: ``keep`` are the lengths of drafts already made)."""
+        (``drafted``: ``keep`` are the lengths of drafts already made; ``skipped``: bool ``[B]``, requests left
+        undrafted by :meth:`drafting_mask`, which count as cut, not as having nothing to draft)."""
         survival = survival_of(np.asarray(token_probs, dtype=np.float64))
         keep = np.asarray(keep, dtype=np.int64)
         model = self.cost.for_batch(len(keep)) if self.cost is not None and len(keep) > 0 else None
@@ -331,10 +349,11 @@ class DraftGate:
         if model is not None:
             out = self._cost_cut(model, survival, cut_from, 0)
         probes: list[int] = []
+        empty = (keep == 0) & ~skipped if drafted and skipped is not None else keep == 0
         for i, req_id in enumerate(req_ids):
             probed = req_id in self._probed
             self._probed.discard(req_id)
-            if out[i] > 0 or (drafted and keep[i] == 0):  # drafting, or nothing to draft: not held back
+            if out[i] > 0 or (drafted and empty[i]):  # drafting, or nothing to draft: not held back
                 self._idle.pop(req_id, None)
                 self._interval.pop(req_id, None)
                 continue

@@ -94,7 +94,7 @@ class SpecDecodeRunner:
         self.clock: Callable[[], float] = time.perf_counter  # injectable (tests)
         self._step_done: StepRecord | None = None  # the previous decode-only step, closed by the next one's start
         self._next_mode: tuple[int, bool] | None = None  # (num_reqs, speculate) the arbiter chose for the next step
-        self.last_draft_lengths: dict[str, int] = {}  # per request, the draft budget of the latest proposal
+        self.last_draft_lengths: dict[str, int] = {}  # per request, the drafts of the latest proposal (after gating)
 
     def load_model(self, target_model: torch.nn.Module, engine_config: EngineConfig | None = None) -> None:
         if isinstance(self.proposer, ModelProposer):
@@ -243,33 +243,38 @@ class SpecDecodeRunner:
         token_ids = [batch.token_ids[row, : int(batch.num_tokens[row])] for row in rows]
         budget = [max(0, min(cap, self.max_model_len - 1 - len(t))) for t in token_ids]
         gate_drafted = self._gates_drafted()
-        if self.dynamic is not None and self.acceptance is not None and not gate_drafted:
+        probs, skipped = None, None
+        if self.dynamic is not None and self.acceptance is not None:
             probs = self.acceptance.token_probs(req_ids)
-            keep = self.dynamic.update(probs)
-            if self.gate is not None:
-                keep = self.gate.apply(req_ids, probs, keep)
-            budget = [min(b, int(n)) for b, n in zip(budget, keep)]
-        if not any(budget):  # model drafters catch up on the skipped positions at their next proposal
-            self.last_draft_lengths.update(zip(req_ids, budget))
-            return {}
-        if isinstance(self.proposer, ModelProposer):
-            self.proposer.set_sampling(*_sampling_of(batch, req_ids))
-        proposals = self.proposer.propose(req_ids, token_ids, budget)
-        drafts = [[int(t) for t in np.asarray(row).tolist() if t >= 0][:b] for row, b in zip(proposals, budget)]
-        if gate_drafted:
-            assert self.gate is not None and self.acceptance is not None
-            keep = self.gate.apply(req_ids, self.acceptance.token_probs(req_ids),
-                                   np.array([len(d) for d in drafts], dtype=np.int64), drafted=True)
+            if gate_drafted:
+                assert self.gate is not None
+                skipped = ~self.gate.drafting_mask(probs)
+                budget = [0 if skip else b for b, skip in zip(budget, skipped)]
+            else:
+                keep = self.dynamic.update(probs)
+                if self.gate is not None:
+                    keep = self.gate.apply(req_ids, probs, keep)
+                budget = [min(b, int(n)) for b, n in zip(budget, keep)]
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        if any(budget):  # (else model drafters catch up on the skipped positions at their next proposal)
+            if isinstance(self.proposer, ModelProposer):
+                self.proposer.set_sampling(*_sampling_of(batch, req_ids))
+            proposals = self.proposer.propose(req_ids, token_ids, budget)
+            drafts = [[int(t) for t in np.asarray(row).tolist() if t >= 0][:b] for row, b in zip(proposals, budget)]
+        if gate_drafted:  # the gate's bookkeeping (idle requests, probes) advances every step
+            assert self.gate is not None and probs is not None
+            keep = self.gate.apply(req_ids, probs, np.array([len(d) for d in drafts], dtype=np.int64),
+                                   drafted=True, skipped=skipped)
             drafts = [d[: int(n)] for d, n in zip(drafts, keep)]
-            budget = [len(d) for d in drafts]
-        self.last_draft_lengths.update(zip(req_ids, budget))
+        self.last_draft_lengths.update(zip(req_ids, (len(d) for d in drafts)))
         return {req_id: d for req_id, d in zip(req_ids, drafts) if d}
 
     def _gates_drafted(self) -> bool:
         """Draft first, then gate: a model-free proposer (drafting costs next to nothing) under the cost gate. The
         gate then cuts the drafts that exist, by their estimated survival, instead of a budget of positions planned
         before drafting (most of which a suffix or n-gram proposer leaves empty: no match), and the scheduler's
-        shared budget does not apply (the measured cost decides)."""
+        shared budget does not apply (the measured cost decides). Requests whose first draft could not pay are not
+        drafted at all (:meth:`DraftGate.drafting_mask`)."""
         return (self.gate is not None and self.gate.cost is not None and self.acceptance is not None
                 and not isinstance(self.proposer, ModelProposer))
 

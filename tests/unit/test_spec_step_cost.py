@@ -228,6 +228,24 @@ def test_gate_on_made_drafts_neither_idles_nor_probes_requests_without_one():
     assert any(o[2] == 1 for o in outs) and "b" not in gate._idle  # "c"'s drafts are cut, it is probed
 
 
+def test_drafting_mask_skips_requests_whose_first_draft_cannot_pay_except_on_probe_steps():
+    probs = np.array([[0.9, 0.9, 0.9], [0.3, 0.3, 0.3], [0.9, 0.9, 0.9]])
+    ids = ["a", "b", "c"]
+    gate = DraftGate(0.0, probe_interval=4, cost=_FixedCost(0.003, 0.001))  # bar: 0.001 * 3 / 0.006 = 0.5
+    assert DraftGate(0.0, 4, cost=StepCostModel()).drafting_mask(probs).all()  # not ready: draft everyone
+    assert DraftGate(0.0, 4).drafting_mask(probs).all()  # no cost model
+    masks, outs = [], []
+    for _ in range(8):
+        mask = gate.drafting_mask(probs)
+        keep = np.where(mask, [3, 3, 0], 0)  # "c" never has a draft
+        masks.append(mask.tolist())
+        outs.append(gate.apply(ids, probs, keep, drafted=True, skipped=~mask).tolist())
+    # "b" is drafted only on the shared probe steps (every 4th), where it is probed; "c" is never held back
+    assert [m[1] for m in masks] == [False, False, False, True] * 2 and all(m[0] and m[2] for m in masks)
+    assert [o[1] for o in outs] == [0, 0, 0, 1, 0, 0, 0, 0] and "c" not in gate._idle
+    assert all(o[0] == 3 for o in outs) and gate._idle["b"] == 4  # after its failed probe: waits 8 steps now
+
+
 class _FixedDrafts:
     """A model-free proposer stub: fixed drafts per request; records the lengths it was asked for."""
 
