@@ -470,8 +470,9 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
                         help="most requests running at once (engine max_num_seqs; 1 = single stream)")
     parser.add_argument("--concurrency-sweep", default=None,
                         help="comma-separated concurrencies (e.g. 1,8,32): the whole benchmark once per value")
-    parser.add_argument("--rounds", type=positive_int, default=1,
-                        help="rounds of fresh prompts; engines interleave within each round")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="rounds of fresh prompts; engines interleave within each round (the speed-up is the "
+                             "median of the per-round ratios: one round's ratio moves by several %% on a shared VM)")
     parser.add_argument("--num-prompts", type=positive_int, default=16, help="prompts per workload and round")
     parser.add_argument("--output-len", type=positive_int, default=96, help="max generated tokens per prompt")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate exactly --output-len tokens")

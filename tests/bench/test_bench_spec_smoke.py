@@ -38,7 +38,7 @@ def spec_result(tiny_llama_dir: str, tmp_path_factory) -> tuple[dict, dict]:
     args = _parse(["bench", "spec", "--model", tiny_llama_dir, "--dtype", "float32", "--methods", "ngram,suffix",
                    "--num-speculative-tokens", str(K), "--prompt-lookup-min", "1", "--prompt-lookup-max", "3",
                    "--num-prompts", str(NUM_PROMPTS), "--output-len", str(OUTPUT_LEN), "--ignore-eos",
-                   "--num-threads", "1", "--output-json", str(out)])
+                   "--num-threads", "1", "--rounds", "1", "--output-json", str(out)])
     returned = args.func(args)
     return returned, json.loads(out.read_text())
 
@@ -150,7 +150,7 @@ def test_cli_flags_build_valid_speculative_configs() -> None:
     for config in configs.values():
         SpeculativeConfig.from_json(config)  # every bench config is a valid engine config
     defaults = _parse(["bench", "spec"])
-    assert defaults.max_concurrency is None and defaults.rounds == 1 and defaults.draft_num_layers == 6
+    assert defaults.max_concurrency is None and defaults.rounds == 3 and defaults.draft_num_layers == 6
     assert "draft_model" in parse_methods(defaults.methods)
     assert parse_dynamic_params(None) == {}  # the engine's own dynamic defaults
     assert DynamicSpecParams.from_dict(speculative_config(defaults, "suffix+dynamic")["dynamic_params"]) == \
