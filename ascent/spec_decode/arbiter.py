@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ascent.spec_decode.step_cost import batch_bucket
+
 SPEC, PLAIN = 0, 1
 MAX_STRETCH = 4.0
 
@@ -60,7 +62,7 @@ class GoodputArbiter:
 
     @staticmethod
     def bucket_of(num_reqs: int) -> int:
-        return max(int(num_reqs), 0).bit_length()
+        return batch_bucket(num_reqs)
 
     def speculate(self, num_reqs: int) -> bool:
         """Decide the mode of the next step of a batch of ``num_reqs`` requests (True: speculate)."""

@@ -174,6 +174,11 @@ def row_blocks(num_tokens: float) -> float:
     return float(math.ceil(float(num_tokens) / ROW_BLOCK))
 
 
+def batch_bucket(num_reqs: int) -> int:
+    """Batch-size bucket ``num_reqs.bit_length()``: 1, 2-3, 4-7, 8-15, ... (0 for an empty batch)."""
+    return max(int(num_reqs), 0).bit_length()
+
+
 class BatchStepCost:
     """One :class:`StepCostModel` per batch-size bucket ``num_reqs.bit_length()`` (module docstring), created on
     first use with the same parameters."""
@@ -183,13 +188,9 @@ class BatchStepCost:
         self._kwargs = model_kwargs
         self.models: dict[int, StepCostModel] = {}
 
-    @staticmethod
-    def bucket_of(num_reqs: int) -> int:
-        return max(int(num_reqs), 0).bit_length()
-
     def for_batch(self, num_reqs: int) -> StepCostModel:
         """The model of ``num_reqs``'s bucket (a fresh, unready one the first time)."""
-        bucket = self.bucket_of(num_reqs)
+        bucket = batch_bucket(num_reqs)
         model = self.models.get(bucket)
         if model is None:
             model = self.models[bucket] = StepCostModel(**self._kwargs)  # type: ignore[arg-type]
