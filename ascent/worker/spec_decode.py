@@ -19,9 +19,8 @@ Step timing (cost-aware gate ``dynamic_params.cost_gate``, goodput arbiter ``goo
 wraps every step in :meth:`SpecDecodeRunner.timed_step`; a decode-only step (every request computes 1 token plus its
 drafts) yields one sample ``(tokens, seconds, carried drafts)`` for the step-cost model of its batch size
 (:class:`BatchStepCost`) and one ``(requests, output tokens, seconds, speculated)`` for the :class:`GoodputArbiter`,
-where ``seconds`` runs from its start to the
-next step's start (so scheduler, proposer and output processing count), or is its own execution time when the
-engine idled in between. With the arbiter on, it decides at each proposal whether the next step speculates.
+where ``seconds`` runs from its start to the next step's start (so scheduler, proposer and output processing count),
+or is its own execution time when the engine idled in between. With the arbiter on, it decides at each proposal whether the next step speculates.
 """
 
 from __future__ import annotations
