@@ -19,7 +19,9 @@ drafts (by that cut, or by ``min_verify_tokens = 0`` with a zero budget) drafts 
 request its drafts back doubles its wait for the next one, up to ``PROBE_BACKOFF`` times ``probe_interval``, and
 once the cost model is ready due probes wait for a shared probe step (every ``probe_interval``-th): each verifying
 step pays the fixed cost ``c`` below, and staggered probes of non-repetitive requests had made most steps of a
-compute-bound batch verifying ones.
+compute-bound batch verifying ones. Nor are requests probed at a batch size where a lone first draft would need a
+survival above ``MAX_PROBE_BAR`` to pay: there a probe costs a token of a compute-bound step and could only reveal
+drafts that still would not pay (at 16 requests on 2 cores this cost about 3 % of non-repetitive throughput).
 ``batch_size_k`` is the per-step cap of the batch-size schedule.
 
 Cost-aware gate (``cost_gate``, default on): the model runner times every decode step and feeds a
@@ -50,13 +52,14 @@ from typing import Any
 
 import numpy as np
 
+from ascent.spec_decode.acceptance import AcceptanceStats  # re-exported: the dynamic-speculation API
 from ascent.spec_decode.arbiter import GoodputArbiter
 from ascent.spec_decode.step_cost import (EXPLORE_MIN_DRAFTS, BatchStepCost, StepCostModel, best_drafts, cost_cut,
                                           row_blocks)
 
 Schedule = list[tuple[int, int, int]]
 PROBE_BACKOFF = 4  # a failed probe doubles the request's probe interval, up to this multiple of probe_interval
-PRIOR_HALF_LIFE = 128.0  # verifications over which the global acceptance prior halves its weight
+MAX_PROBE_BAR = 0.6  # no probes where a lone first draft needs a higher survival to pay (compute-bound batches)
 
 
 def validate_batch_size_schedule(schedule: Any) -> Schedule:
@@ -223,61 +226,6 @@ class DynamicSpecScheduler:
         return np.minimum(keep, d).astype(np.int32)
 
 
-class AcceptanceStats:
-    """Per-request, per-position acceptance counts from verification; estimates for model-free proposers.
-
-    ``p_i(req) = (accepted_i + s * g_i) / (tried_i + s)`` with the global Laplace estimate
-    ``g_i = (all_accepted_i + 1) / (all_tried_i + 2)`` as prior of strength ``s = prior_strength``. The global counts
-    are exponentially weighted, halving every ``prior_half_life`` verifications (None: all history), so the prior of
-    a new request follows the recent traffic: an all-history prior carried a repetitive workload's acceptance (0.65
-    at the first position) into non-repetitive traffic (0.3), where the cost gate then kept drafts that did not pay.
-    """
-
-    def __init__(self, num_speculative_tokens: int, prior_strength: float = 2.0,
-                 prior_half_life: float | None = PRIOR_HALF_LIFE) -> None:
-        if num_speculative_tokens < 1 or not prior_strength > 0:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens}, prior_strength={prior_strength} "
-                             "are invalid: need k >= 1 and a positive prior strength")
-        if prior_half_life is not None and not prior_half_life > 0:
-            raise ValueError(f"prior_half_life={prior_half_life} is invalid: must be > 0 (verifications) or None")
-        self.max_k = num_speculative_tokens
-        self.prior_strength = prior_strength
-        self._decay = 1.0 if prior_half_life is None else 0.5 ** (1.0 / float(prior_half_life))
-        self._tried: dict[str, np.ndarray] = {}
-        self._accepted: dict[str, np.ndarray] = {}
-        self._all_tried = np.zeros(self.max_k, dtype=np.float64)
-        self._all_accepted = np.zeros(self.max_k, dtype=np.float64)
-
-    def record(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
-        """One verification: drafts ``0 .. num_accepted-1`` accepted, draft ``num_accepted`` (if any) rejected."""
-        if not 0 <= num_accepted <= num_drafts <= self.max_k:
-            raise ValueError(f"num_accepted={num_accepted}, num_drafts={num_drafts} are invalid for "
-                             f"k={self.max_k}: need 0 <= accepted <= drafts <= k")
-        tried = self._tried.setdefault(req_id, np.zeros(self.max_k, dtype=np.int64))
-        accepted = self._accepted.setdefault(req_id, np.zeros(self.max_k, dtype=np.int64))
-        reached = min(num_accepted + 1, num_drafts)
-        if self._decay < 1.0:
-            self._all_tried *= self._decay
-            self._all_accepted *= self._decay
-        for arr, n in ((tried, reached), (accepted, num_accepted), (self._all_tried, reached),
-                       (self._all_accepted, num_accepted)):
-            arr[:n] += 1
-
-    def remove(self, req_id: str) -> None:
-        self._tried.pop(req_id, None)
-        self._accepted.pop(req_id, None)
-
-    def token_probs(self, req_ids: Sequence[str]) -> np.ndarray:
-        """float64 ``[len(req_ids), k]`` conditional acceptance estimates (unknown requests get the global one)."""
-        prior = (self._all_accepted + 1.0) / (self._all_tried + 2.0)
-        if not req_ids:
-            return np.empty((0, self.max_k), dtype=np.float64)
-        zeros = np.zeros(self.max_k, dtype=np.int64)
-        tried = np.stack([self._tried.get(r, zeros) for r in req_ids])
-        acc = np.stack([self._accepted.get(r, zeros) for r in req_ids])
-        return (acc + self.prior_strength * prior) / (tried + self.prior_strength)
-
-
 class DraftGate:
     """Per-request cut of the scheduler's keep lengths by estimated survival and step cost, with re-probing.
 
@@ -326,10 +274,13 @@ class DraftGate:
         model = self.cost.for_batch(num_reqs) if self.cost is not None and num_reqs > 0 else None
         if model is None or not model.ready or (self._steps + 1) % self.probe_interval == 0:
             return np.ones(num_reqs, dtype=bool)
+        return np.minimum(probs[:, 0], 1.0) >= self._first_draft_bar(model, num_reqs)
+
+    def _first_draft_bar(self, model: StepCostModel, num_reqs: int) -> float:
+        """The survival a lone first draft needs to pay at this batch size (the rate of the step without drafts)."""
         a, b, _ = model.coefficients()
         plain = a + b * num_reqs + model.row_block_cost() * row_blocks(num_reqs)
-        bar = self.cost_safety * b * num_reqs / plain if plain > 0 else 0.0
-        return np.minimum(probs[:, 0], 1.0) >= bar
+        return self.cost_safety * b * num_reqs / plain if plain > 0 else 0.0
 
     def apply(self, req_ids: Sequence[str], token_probs: np.ndarray, keep: np.ndarray,
               drafted: bool = False, skipped: np.ndarray | None = None) -> np.ndarray:
@@ -366,6 +317,8 @@ class DraftGate:
         self._steps += 1
         if probes and costed and self._steps % self.probe_interval:
             probes = []  # under the cost model, due probes wait for the shared probe step (one fixed cost for all)
+        if probes and costed and self._first_draft_bar(model, len(keep)) > MAX_PROBE_BAR:
+            probes = []  # a probe could not earn drafts that pay here: only near-certain drafts do
         if probes and costed:  # one verifying step pays the fixed cost for all: probe the half-due ones with it
             probes += [i for i, r in enumerate(req_ids) if out[i] == 0 and i not in probes
                        and self._idle.get(r, 0) >= max(1, self._interval_of(r) // 2)]

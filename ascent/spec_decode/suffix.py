@@ -8,6 +8,8 @@ suffix_decoding_max_spec_offset``, by ``num_speculative_tokens``, by ``max_num_t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from ascent.spec_decode.base import Proposer, SpeculativeConfig, pad_drafts
@@ -40,6 +42,9 @@ class SuffixDecodingProposer(Proposer):
     def update_request(self, req_id: str, new_token_ids: list[int]) -> None:
         if new_token_ids:
             self.cache.add_active_response(req_id, new_token_ids)
+
+    def update_requests(self, req_ids: Sequence[str], new_token_ids: Sequence[Sequence[int]]) -> None:
+        self.cache.add_active_responses(req_ids, new_token_ids)
 
     def remove_request(self, req_id: str) -> None:
         if req_id in self.cache.active_requests:

@@ -87,6 +87,11 @@ class SuffixTree:
         for t in tokens:
             self.append(seq_id, int(t))
 
+    def extend_many(self, seq_ids: Sequence[Hashable], token_lists: Sequence[Sequence[int]]) -> None:
+        """``extend`` for each ``(seq_ids[i], token_lists[i])``, in order."""
+        for seq_id, tokens in zip(seq_ids, token_lists, strict=True):
+            self.extend(seq_id, tokens)
+
     def append(self, seq_id: Hashable, token: int) -> None:
         """Append one token: a new suffix starts at the root, every active suffix grows by ``token`` and the oldest
         one stops once it is ``max_depth`` long."""
@@ -380,6 +385,23 @@ class SuffixCache:
             self._global.extend(req_id, token_ids)
             if self.eviction == "lru":
                 self._cached.move_to_end(req_id)
+
+    def add_active_responses(self, req_ids: Sequence[Hashable], token_lists: Sequence[Sequence[int]]) -> None:
+        """``add_active_response`` for each request with new tokens (one decode step), the global tree in one call."""
+        cached, cached_tokens = [], []
+        for req_id, tokens in zip(req_ids, token_lists, strict=True):
+            if not tokens:
+                continue
+            if req_id not in self._local:
+                raise ValueError(f"request {req_id!r} is not active")
+            self._unindexed.setdefault(req_id, []).extend(int(t) for t in tokens)
+            if req_id in self._cached:
+                cached.append(req_id)
+                cached_tokens.append(tokens)
+                if self.eviction == "lru":
+                    self._cached.move_to_end(req_id)
+        if cached:
+            self._global.extend_many(cached, cached_tokens)
 
     def stop_request(self, req_id: Hashable) -> None:
         """Drop the prompt tree; the response stays cached until evicted."""

@@ -47,6 +47,10 @@ class NativeSuffixTree:
         if len(tokens):
             self._tree.extend(self._number(seq_id), [int(t) for t in tokens])
 
+    def extend_many(self, seq_ids: Sequence[Hashable], token_lists: Sequence[Sequence[int]]) -> None:
+        """``extend`` for each ``(seq_ids[i], token_lists[i])``, in order, in one native call."""
+        self._tree.extend_many([self._number(s) for s in seq_ids], [[int(t) for t in toks] for toks in token_lists])
+
     def append(self, seq_id: Hashable, token: int) -> None:
         self._tree.append(self._number(seq_id), int(token))
 

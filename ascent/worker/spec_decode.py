@@ -176,9 +176,10 @@ class SpecDecodeRunner:
         accepted = self.rejection_sampler(spec, draft_probs, target_logits, metadata,
                                           deterministic_proposer=self.proposer.deterministic)
         if self.acceptance is not None and req_ids is not None:
-            for req_id, d, a in zip(req_ids, drafts, accepted):
-                if d:
-                    self.acceptance.record(req_id, len(d), len(a) - 1)
+            verified = [(r, len(d), len(a) - 1) for r, d, a in zip(req_ids, drafts, accepted) if d]
+            if verified:
+                ids, num_drafts, num_accepted = zip(*verified)
+                self.acceptance.record_batch(ids, num_drafts, num_accepted)
         return accepted
 
     def _draft_probs(self, drafts: list[list[int]], req_ids: list[str] | None,
@@ -227,9 +228,7 @@ class SpecDecodeRunner:
     def propose(self, batch: InputBatch, req_ids: list[str], new_tokens: list[list[int]]) -> dict[str, list[int]]:
         """Teach the proposer the committed tokens, then draft up to ``k`` tokens per request (never past
         ``max_model_len``; fewer under ``dynamic`` or a batch-size rule)."""
-        for req_id, toks in zip(req_ids, new_tokens):
-            if toks:
-                self.proposer.update_request(req_id, toks)
+        self.proposer.update_requests(req_ids, new_tokens)
         cap = self.step_k(int(batch.num_reqs))
         if cap > 0 and req_ids and self.arbiter is not None:
             speculate = self.arbiter.speculate(len(req_ids))
@@ -238,35 +237,53 @@ class SpecDecodeRunner:
         if cap == 0 or not req_ids:
             self.last_draft_lengths.update((r, 0) for r in req_ids)
             return {}
-        rows = [batch.req_id_to_index[r] for r in req_ids]
-        token_ids = [batch.token_ids[row, : int(batch.num_tokens[row])] for row in rows]
-        budget = [max(0, min(cap, self.max_model_len - 1 - len(t))) for t in token_ids]
-        gate_drafted = self._gates_drafted()
-        probs, skipped = None, None
-        if self.dynamic is not None and self.acceptance is not None:
-            probs = self.acceptance.token_probs(req_ids)
-            if gate_drafted:
-                assert self.gate is not None
-                skipped = ~self.gate.drafting_mask(probs)
-                budget = [0 if skip else b for b, skip in zip(budget, skipped)]
-            else:
-                keep = self.dynamic.update(probs)
-                if self.gate is not None:
-                    keep = self.gate.apply(req_ids, probs, keep)
-                budget = [min(b, int(n)) for b, n in zip(budget, keep)]
-        drafts: list[list[int]] = [[] for _ in req_ids]
-        if any(budget):  # (else model drafters catch up on the skipped positions at their next proposal)
-            if isinstance(self.proposer, ModelProposer):
-                self.proposer.set_sampling(*_sampling_of(batch, req_ids))
-            proposals = self.proposer.propose(req_ids, token_ids, budget)
-            drafts = [[int(t) for t in np.asarray(row).tolist() if t >= 0][:b] for row, b in zip(proposals, budget)]
-        if gate_drafted:  # the gate's bookkeeping (idle requests, probes) advances every step
-            assert self.gate is not None and probs is not None
-            keep = self.gate.apply(req_ids, probs, np.array([len(d) for d in drafts], dtype=np.int64),
-                                   drafted=True, skipped=skipped)
-            drafts = [d[: int(n)] for d, n in zip(drafts, keep)]
+        drafts = self._draft_then_gate(batch, req_ids, cap) if self._gates_drafted() \
+            else self._plan_then_draft(batch, req_ids, cap)
         self.last_draft_lengths.update(zip(req_ids, (len(d) for d in drafts)))
         return {req_id: d for req_id, d in zip(req_ids, drafts) if d}
+
+    def _plan_then_draft(self, batch: InputBatch, req_ids: list[str], cap: int) -> list[list[int]]:
+        """Draft lengths planned first (the scheduler's shared budget, then the gate), then drafting."""
+        token_ids, budget = self._contexts(batch, req_ids, cap)
+        if self.dynamic is not None and self.acceptance is not None:
+            probs = self.acceptance.token_probs(req_ids)
+            keep = self.dynamic.update(probs)
+            if self.gate is not None:
+                keep = self.gate.apply(req_ids, probs, keep)
+            budget = [min(b, n) for b, n in zip(budget, keep.tolist())]
+        if not any(budget):  # (model drafters catch up on the skipped positions at their next proposal)
+            return [[] for _ in req_ids]
+        if isinstance(self.proposer, ModelProposer):
+            self.proposer.set_sampling(*_sampling_of(batch, req_ids))
+        return _valid_drafts(self.proposer.propose(req_ids, token_ids, budget), budget)
+
+    def _draft_then_gate(self, batch: InputBatch, req_ids: list[str], cap: int) -> list[list[int]]:
+        """Draft first at full length (only the requests :meth:`DraftGate.drafting_mask` lets through), then let the
+        gate cut the drafts that exist; its bookkeeping (idle requests, probes) advances every step."""
+        assert self.gate is not None and self.acceptance is not None
+        probs = self.acceptance.token_probs(req_ids)
+        mask = self.gate.drafting_mask(probs)
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        chosen = np.flatnonzero(mask).tolist()
+        if chosen:
+            ids = req_ids if len(chosen) == len(req_ids) else [req_ids[i] for i in chosen]
+            token_ids, budget = self._contexts(batch, ids, cap)
+            if any(budget):
+                for i, d in zip(chosen, _valid_drafts(self.proposer.propose(ids, token_ids, budget), budget)):
+                    drafts[i] = d
+        lengths = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
+        keep = self.gate.apply(req_ids, probs, lengths, drafted=True, skipped=~mask)
+        return [d[:n] if n < len(d) else d for d, n in zip(drafts, keep.tolist())]
+
+    def _contexts(self, batch: InputBatch, req_ids: list[str], cap: int) -> tuple[list[np.ndarray], list[int]]:
+        """Per request: its tokens so far (a view of the persistent batch) and its draft budget (``cap``, never past
+        ``max_model_len``)."""
+        token_ids = []
+        for req_id in req_ids:
+            row = batch.req_id_to_index[req_id]
+            token_ids.append(batch.token_ids[row, : int(batch.num_tokens[row])])
+        limit = self.max_model_len - 1
+        return token_ids, [max(0, min(cap, limit - len(t))) for t in token_ids]
 
     def _gates_drafted(self) -> bool:
         """Draft first, then gate: a model-free proposer (drafting costs next to nothing) under the cost gate. The
@@ -276,6 +293,11 @@ class SpecDecodeRunner:
         drafted at all (:meth:`DraftGate.drafting_mask`)."""
         return (self.gate is not None and self.gate.cost is not None and self.acceptance is not None
                 and not isinstance(self.proposer, ModelProposer))
+
+
+def _valid_drafts(proposals: np.ndarray, budget: list[int]) -> list[list[int]]:
+    """``proposals`` int ``[B, k]`` padded with -1 -> per row its drafts, at most ``budget[i]``."""
+    return [[t for t in row if t >= 0][:b] for row, b in zip(proposals.tolist(), budget)]
 
 
 def _sampling_of(batch: InputBatch, req_ids: list[str]) -> tuple[dict[str, float], dict[str, Any]]:

@@ -254,7 +254,7 @@ class _FixedDrafts:
     def __init__(self, drafts: dict[str, list[int]]) -> None:
         self.drafts, self.asked = drafts, []
 
-    def update_request(self, req_id: str, new_token_ids: list[int]) -> None:
+    def update_requests(self, req_ids, new_token_ids) -> None:
         pass
 
     def propose(self, req_ids, token_ids, max_num_tokens):

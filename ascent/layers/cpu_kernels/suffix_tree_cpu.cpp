@@ -76,6 +76,12 @@ class SuffixTree {
     for (int32_t t : tokens) append(seq_id, t);
   }
 
+  // extend() for several sequences in one call (one decode step's new tokens of every running request).
+  void extend_many(const std::vector<int64_t>& seq_ids, const std::vector<Tokens>& tokens) {
+    if (seq_ids.size() != tokens.size()) throw std::invalid_argument("extend_many: seq_ids and tokens differ in length");
+    for (size_t i = 0; i < seq_ids.size(); ++i) extend(seq_ids[i], tokens[i]);
+  }
+
   // Forget sequence seq_id (unknown ids are ignored).
   void remove(int64_t seq_id) {
     auto it = seqs_.find(seq_id);
@@ -425,6 +431,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("max_depth", &SuffixTree::max_depth)
       .def("append", &SuffixTree::append, py::arg("seq_id"), py::arg("token"))
       .def("extend", &SuffixTree::extend, py::arg("seq_id"), py::arg("tokens"))
+      .def("extend_many", &SuffixTree::extend_many, py::arg("seq_ids"), py::arg("tokens"))
       .def("remove", &SuffixTree::remove, py::arg("seq_id"))
       .def("count", &SuffixTree::count, py::arg("pattern"))
       .def("speculate", &SuffixTree::speculate, py::arg("ctx"), py::arg("max_spec_tokens"), py::arg("factor"),

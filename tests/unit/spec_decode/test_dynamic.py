@@ -224,3 +224,22 @@ def test_always_rejected_request_drops_to_zero_with_probes():
     bad_tail = history["bad"][-20:]
     assert bad_tail.count(0) >= 14 and 0 < sum(bad_tail) <= 6 and max(bad_tail) == 1
     assert history["good"][-10:] == [k] * 10
+
+
+def test_no_probes_where_only_near_certain_drafts_could_pay():
+    """A probe is there to find requests whose drafts would pay again; at a batch size where a lone first draft needs
+    a survival above MAX_PROBE_BAR, the idle requests are not probed (each probe costs a token of a compute-bound
+    step), while a batch size with a lower bar probes them on the shared probe step."""
+    from ascent.spec_decode.dynamic import MAX_PROBE_BAR
+    from tests.unit.test_spec_step_cost import _FixedCost
+
+    ids, probs, drafted = ["a", "b"], np.full((2, 3), 0.1), np.array([3, 3])
+    steep = _FixedCost(0.002, 0.004)  # bar = 0.004 * 2 / (0.002 + 0.008) = 0.8
+    gentle = _FixedCost(0.006, 0.001)  # bar = 0.002 / 0.008 = 0.25
+    for cost, probed in ((steep, False), (gentle, True)):
+        gate = DraftGate(0.0, probe_interval=4, cost=cost)
+        bar = gate._first_draft_bar(cost, 2)
+        assert (bar > MAX_PROBE_BAR) is not probed
+        outs = [gate.apply(ids, probs, drafted, drafted=True).tolist() for _ in range(8)]
+        assert all(o == [0, 0] for i, o in enumerate(outs) if i != 3)  # 0.1 never pays alone
+        assert outs[3] == ([1, 1] if probed else [0, 0])

@@ -3,6 +3,7 @@ and sequences under random interleaved appends and removals, and the choice betw
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -26,6 +27,12 @@ class NativeVsPython(RuleBasedStateMachine):
     def extend(self, seq_id, tokens):
         self.ref.extend(seq_id, tokens)
         self.fast.extend(seq_id, tokens)
+
+    @rule(items=st.lists(st.tuples(SEQ_IDS, st.lists(TOKENS, max_size=4)), max_size=4))
+    def extend_many(self, items):  # the native batch call against the Python tree's one-by-one extends
+        seq_ids, token_lists = [s for s, _ in items], [t for _, t in items]
+        self.ref.extend_many(seq_ids, token_lists)
+        self.fast.extend_many(seq_ids, token_lists)
 
     @rule(seq_id=SEQ_IDS, token=TOKENS)
     def append(self, seq_id, token):
@@ -96,3 +103,38 @@ def test_trees_are_native_unless_switched_off_and_one_kind_per_cache(monkeypatch
     assert type(SuffixCache(max_tree_depth=4).global_tree) is SuffixTree
     cache.start_request("r", [1, 2])  # a cache keeps the kind it was built with
     assert isinstance(cache.local_tree("r"), NativeSuffixTree)
+
+
+def test_a_step_of_responses_at_once_equals_one_request_at_a_time():
+    """``add_active_responses`` (one global-tree call per step) against per-request ``add_active_response``, with
+    concurrent requests, eviction and empty updates: the same drafts, sequences and eviction order, both tree kinds."""
+    import random
+
+    for factory in (SuffixTree, native_tree):
+        rng = random.Random(1)
+        one, batched = (SuffixCache(max_tree_depth=8, max_cached_requests=5, tree_factory=factory) for _ in range(2))
+        live: dict[int, list[int]] = {}
+        for step in range(120):
+            if len(live) < 4 or rng.random() < 0.05:
+                req_id, prompt = step, [rng.randrange(6) for _ in range(rng.randint(1, 6))]
+                for cache in (one, batched):
+                    cache.start_request(req_id, prompt)
+                live[req_id] = list(prompt)
+            ids = list(live)
+            new = [[rng.randrange(6) for _ in range(rng.choice([0, 1, 1, 3]))] for _ in ids]
+            for req_id, tokens in zip(ids, new):
+                if tokens:
+                    one.add_active_response(req_id, tokens)
+                live[req_id] += tokens
+            batched.add_active_responses(ids, new)
+            for req_id in ids:
+                assert one.speculate(req_id, live[req_id], 6) == batched.speculate(req_id, live[req_id], 6)
+            if rng.random() < 0.1:
+                done = rng.choice(ids)
+                for cache in (one, batched):
+                    cache.stop_request(done)
+                del live[done]
+        assert one.cached_requests == batched.cached_requests
+        assert one.global_tree.sequences == batched.global_tree.sequences
+        with pytest.raises(ValueError, match="'gone' is not active"):
+            batched.add_active_responses(["gone"], [[1]])
