@@ -28,7 +28,8 @@ def plain(tiny_llama_dir) -> dict[tuple[int, ...], list[int]]:
 
 def _dynamic_llm(model_dir: str, plain) -> tuple[LLM, _ScriptedProposer]:
     spec = {"method": "ngram", "num_speculative_tokens": K, "dynamic": True,
-            "dynamic_params": {"budget_update_interval": 2, "min_verify_tokens": 1, "cost_gate": False}}
+            "dynamic_params": {"budget_update_interval": 2, "min_verify_tokens": 1, "cost_gate": False,
+                               "goodput_arbiter": False}}  # the scheduler's budgets alone
     llm = LLM(model=model_dir, speculative_config=spec, dtype="float32", max_model_len=128, disable_log_stats=True)
     runner = llm.llm_engine.engine_core.worker.model_runner.spec
     proposer = _ScriptedProposer(runner.config, 128, plain)
@@ -71,7 +72,7 @@ def _scripted_llm(model_dir: str, plain, **spec_extra) -> tuple[LLM, _ScriptedPr
 def test_rejected_request_drops_to_zero_drafts_and_is_reprobed(tiny_llama_dir, plain):
     llm, proposer = _scripted_llm(tiny_llama_dir, plain, dynamic=True,
                                   dynamic_params={"min_draft_survival": 0.3, "probe_interval": 4,
-                                                  "cost_gate": False})
+                                                  "cost_gate": False, "goodput_arbiter": False})
     assert _run(llm, [BAD]) == [plain[tuple(BAD)]]
     budgets = proposer.budgets[tuple(BAD)]  # propose() runs only when some request may draft; the uninformed
     # prior (1/2 per position) gives one draft first

@@ -71,8 +71,8 @@ def test_validation_and_params():
         GoodputArbiter(window=0)
     with pytest.raises(ValueError, match="half_life=nan"):
         GoodputArbiter(half_life=float("nan"))
-    assert DynamicSpecParams().arbiter() is None  # opt-in
-    assert isinstance(DynamicSpecParams(goodput_arbiter=True).arbiter(), GoodputArbiter)
+    assert isinstance(DynamicSpecParams().arbiter(), GoodputArbiter)  # on by default
+    assert DynamicSpecParams(goodput_arbiter=False).arbiter() is None
     arb = DynamicSpecParams(goodput_arbiter=True, arbiter_window=2, arbiter_interval=8).arbiter()
     assert arb is not None and (arb.window, arb.interval) == (2, 8)
     for bad in ({"goodput_arbiter": 1}, {"arbiter_window": 0}, {"arbiter_interval": -1}):
