@@ -78,3 +78,24 @@ def test_validation_and_params():
     for bad in ({"goodput_arbiter": 1}, {"arbiter_window": 0}, {"arbiter_interval": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             DynamicSpecParams.from_dict(bad)
+
+
+def _runs(modes: list[bool]) -> list[tuple[bool, int]]:
+    """Run-length encoding of a decision sequence."""
+    runs: list[tuple[bool, int]] = []
+    for m in modes:
+        runs = runs[:-1] + [(m, runs[-1][1] + 1)] if runs and runs[-1][0] == m else runs + [(m, 1)]
+    return runs
+
+
+def test_a_clear_winner_is_exploited_longer_for_speculation_than_for_plain():
+    """Speculation three times as fast: runs of 16 intervals between 4-step plain windows (the exploration costs
+    ~1/64 of the steps); plain twice as fast: runs of at most 4 intervals, so speculation is re-checked in bounded time."""
+    arb = GoodputArbiter(window=4, interval=16)
+    runs = _runs(_drive(arb, 1200, 1, lambda: (3, 0.010), lambda: (1, 0.010)))  # 3x: stretch 20, capped at 16
+    spec_runs = [n for m, n in runs[2:] if m]
+    assert spec_runs and max(spec_runs) == 16 * 16 and all(n == 4 for m, n in runs[2:] if not m)
+    arb = GoodputArbiter(window=4, interval=16)
+    runs = _runs(_drive(arb, 1200, 16, lambda: (16, 0.040), lambda: (16, 0.020)))  # 2x: stretch 10, capped at 4
+    plain_runs = [n for m, n in runs[3:] if not m]  # (runs[1] is the first plain window merged with its run)
+    assert plain_runs and max(plain_runs) == 4 * 16
