@@ -12,13 +12,14 @@ decode step's time grows far less than linearly with its requests).
 Schedule per bucket: speculation first, until it has ``min_samples`` timed steps; then ``window`` plain steps; from
 then on runs of the faster mode alternate with ``window``-step runs of the other (exploration, so a change of the
 workload is noticed). An exploitation run lasts ``interval`` steps, stretched as the measured advantage grows
-(``interval · 10 · (ratio - 1)``) up to ``16 × interval`` for speculation and ``4 × interval`` for plain decoding, and
-ends at once when the exploited mode's own rate falls below the other's (speculation that stopped paying is noticed
-within a few steps; a plain run re-checks speculation within ``4 × interval`` steps). The long cap for speculation
-keeps the exploration's price small where speculation clearly wins: at batch 1 on repetitive text (2x) a 4-step
-plain window after every 64 speculative steps cost about 5 % of the speed-up. Rates are exponentially weighted sums with ``half_life`` steps per mode, so an
-exploration window is compared with the recent steps of the winner. Steps timed at 0 s (a frozen test clock) carry
-no information and leave the arbiter on speculation.
+(``interval · 10 · (ratio - 1)``) up to ``16 × interval`` for speculation and ``4 × interval`` for plain decoding
+(a plain run re-checks speculation within ``4 × interval`` steps), and ends at once when the exploited mode's own
+rate falls more than ``SWITCH_MARGIN`` below the other's: speculation that stopped paying is noticed within a few
+steps. The margin matters at batch 1 on repetitive text: the first steps of each response run speculation at about
+plain speed, and ending the run on any dip handed 16 steps to plain decoding at every request, about 5 % of a 2x
+speed-up. Rates are exponentially weighted sums with ``half_life`` steps per mode, so an exploration window is
+compared with the recent steps of the winner. Steps timed at 0 s (a frozen test clock) carry no information and
+leave the arbiter on speculation.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from ascent.spec_decode.step_cost import batch_bucket
 
 SPEC, PLAIN = 0, 1
+SWITCH_MARGIN = 0.05  # an exploited run ends early only when its rate falls this far below the other mode's
 MAX_STRETCH = {0: 16.0, 1: 4.0}  # per exploited mode (SPEC, PLAIN): the longest run, in intervals
 
 
@@ -86,7 +88,7 @@ class GoodputArbiter:
         state.samples[mode] += 1
         other = 1 - mode
         if (mode == state.mode and not state.exploring and state.samples[other] >= self.min_samples
-                and state.rate(mode) < state.rate(other)):  # the exploited mode fell behind: decide again now
+                and state.rate(mode) < state.rate(other) * (1.0 - SWITCH_MARGIN)):  # fell behind: decide again now
             state.left = 0
 
     def rates(self, num_reqs: int) -> tuple[float, float]:

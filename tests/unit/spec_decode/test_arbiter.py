@@ -41,7 +41,7 @@ def test_a_change_of_traffic_is_followed_quickly():
     arb = GoodputArbiter()
     _drive(arb, 300, 4, lambda: (8, 0.020), lambda: (4, 0.015))
     after = _drive(arb, 100, 4, lambda: (4.2, 0.020), lambda: (4, 0.015))  # drafts stop being accepted
-    assert sum(after[:10]) <= 8 and sum(after[10:]) / len(after[10:]) <= 0.25
+    assert sum(after[:10]) <= 9 and sum(after[10:]) / len(after[10:]) <= 0.25  # (9: the SWITCH_MARGIN step)
     back = _drive(arb, 200, 4, lambda: (8, 0.020), lambda: (4, 0.015))
     assert sum(back[:4 * arb.interval + 2 * arb.window]) > 0  # a plain run re-checks speculation in bounded time
     assert sum(back[100:]) / 100 >= 0.85
@@ -99,3 +99,18 @@ def test_a_clear_winner_is_exploited_longer_for_speculation_than_for_plain():
     runs = _runs(_drive(arb, 1200, 16, lambda: (16, 0.040), lambda: (16, 0.020)))  # 2x: stretch 10, capped at 4
     plain_runs = [n for m, n in runs[3:] if not m]  # (runs[1] is the first plain window merged with its run)
     assert plain_runs and max(plain_runs) == 4 * 16
+
+
+def test_a_dip_within_the_margin_does_not_end_a_speculative_run():
+    """Speculation 2x plain, then a few steps at plain speed (the start of a response): the run goes on; a drop far
+    below plain ends it at once."""
+    from ascent.spec_decode.arbiter import SWITCH_MARGIN
+
+    assert SWITCH_MARGIN > 0.025  # (the dip below is 2.5 %)
+    arb = GoodputArbiter(window=4, interval=16)
+    _drive(arb, 200, 1, lambda: (2, 0.010), lambda: (1, 0.010))
+    assert arb.speculate(1)  # mid-run
+    dip = _drive(arb, 40, 1, lambda: (0.975, 0.010), lambda: (1, 0.010))
+    assert all(dip)
+    drop = _drive(arb, 12, 1, lambda: (0.5, 0.010), lambda: (1, 0.010))
+    assert not all(drop[:8])
