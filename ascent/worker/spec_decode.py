@@ -297,7 +297,7 @@ class SpecDecodeRunner:
 
 def _valid_drafts(proposals: np.ndarray, budget: list[int]) -> list[list[int]]:
     """``proposals`` int ``[B, k]`` padded with -1 -> per row its drafts, at most ``budget[i]``."""
-    return [[t for t in row if t >= 0][:b] for row, b in zip(proposals.tolist(), budget)]
+    return [[t for t in row if t >= 0][:b] for row, b in zip(np.asarray(proposals).tolist(), budget)]
 
 
 def _sampling_of(batch: InputBatch, req_ids: list[str]) -> tuple[dict[str, float], dict[str, Any]]:
