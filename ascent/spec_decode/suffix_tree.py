@@ -378,22 +378,18 @@ class SuffixCache:
 
     def add_active_response(self, req_id: Hashable, token_ids: Sequence[int]) -> None:
         """Append generated tokens to the request's prompt tree and (while cached) its global response."""
-        if req_id not in self._local:
-            raise ValueError(f"request {req_id!r} is not active")
-        self._unindexed.setdefault(req_id, []).extend(int(t) for t in token_ids)
-        if req_id in self._cached:
-            self._global.extend(req_id, token_ids)
-            if self.eviction == "lru":
-                self._cached.move_to_end(req_id)
+        self.add_active_responses([req_id], [token_ids])
 
     def add_active_responses(self, req_ids: Sequence[Hashable], token_lists: Sequence[Sequence[int]]) -> None:
-        """``add_active_response`` for each request with new tokens (one decode step), the global tree in one call."""
+        """``add_active_response`` for each request (one decode step; the global tree in one call). Every request must
+        be active; nothing changes when one is not."""
+        inactive = [r for r in req_ids if r not in self._local]
+        if inactive:
+            raise ValueError(f"request {inactive[0]!r} is not active")
         cached, cached_tokens = [], []
         for req_id, tokens in zip(req_ids, token_lists, strict=True):
-            if not tokens:
+            if not len(tokens):
                 continue
-            if req_id not in self._local:
-                raise ValueError(f"request {req_id!r} is not active")
             self._unindexed.setdefault(req_id, []).extend(int(t) for t in tokens)
             if req_id in self._cached:
                 cached.append(req_id)

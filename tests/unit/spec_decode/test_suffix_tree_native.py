@@ -136,5 +136,7 @@ def test_a_step_of_responses_at_once_equals_one_request_at_a_time():
                 del live[done]
         assert one.cached_requests == batched.cached_requests
         assert one.global_tree.sequences == batched.global_tree.sequences
+        before = batched.global_tree.sequences
         with pytest.raises(ValueError, match="'gone' is not active"):
-            batched.add_active_responses(["gone"], [[1]])
+            batched.add_active_responses([*live, "gone"], [[1]] * len(live) + [[1]])
+        assert batched.global_tree.sequences == before  # nothing changed
