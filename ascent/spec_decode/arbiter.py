@@ -15,11 +15,11 @@ workload is noticed). An exploitation run lasts ``interval`` steps, stretched as
 (``interval · 10 · (ratio - 1)``) up to ``16 × interval`` for speculation and ``4 × interval`` for plain decoding
 (a plain run re-checks speculation within ``4 × interval`` steps), and ends at once when the exploited mode's own
 rate falls more than ``SWITCH_MARGIN`` below the other's: speculation that stopped paying is noticed within a few
-steps. The margin matters at batch 1 on repetitive text: the first steps of each response run speculation at about
-plain speed, and ending the run on any dip handed 16 steps to plain decoding at every request, about 5 % of a 2x
-speed-up. Rates are exponentially weighted sums with ``half_life`` steps per mode, so an exploration window is
-compared with the recent steps of the winner. Steps timed at 0 s (a frozen test clock) carry no information and
-leave the arbiter on speculation.
+steps. The margin is for batch 1 on repetitive text: the first steps of each response run speculation at about
+plain speed, and ending the run on any dip handed 16 steps to plain decoding at the start of many requests (seen in
+a trace of the bench workload). Rates are exponentially weighted sums with ``half_life`` steps per mode, so an
+exploration window is compared with the recent steps of the winner. Steps timed at 0 s (a frozen test clock) carry
+no information and leave the arbiter on speculation.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ascent.spec_decode.step_cost import batch_bucket
 
 SPEC, PLAIN = 0, 1
 SWITCH_MARGIN = 0.05  # an exploited run ends early only when its rate falls this far below the other mode's
-MAX_STRETCH = {0: 16.0, 1: 4.0}  # per exploited mode (SPEC, PLAIN): the longest run, in intervals
+MAX_STRETCH = {SPEC: 16.0, PLAIN: 4.0}  # per exploited mode: the longest run, in intervals
 
 
 @dataclass

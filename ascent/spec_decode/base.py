@@ -257,8 +257,8 @@ class Proposer(ABC):
     def update_requests(self, req_ids: Sequence[str], new_token_ids: Sequence[Sequence[int]]) -> None:
         """``update_request`` for each request of a step that has new tokens (proposers may do it in one go)."""
         for req_id, tokens in zip(req_ids, new_token_ids):
-            if tokens:
-                self.update_request(req_id, list(tokens) if not isinstance(tokens, list) else tokens)
+            if len(tokens):
+                self.update_request(req_id, list(tokens))
 
     def remove_request(self, req_id: str) -> None:
         """Free the request's per-request state."""
