@@ -31,12 +31,17 @@ def ops():
     return module
 
 
-@pytest.fixture(params=["best", "generic"])
+@pytest.fixture(params=["best", "avx2", "generic"])
 def isa_ops(request, ops):
-    """The module with either the best ISA or the forced portable path."""
-    old = ops.set_force_generic(1 if request.param == "generic" else 0)
+    """The module with the best ISA, capped at AVX2 (the weight-only AVX2 kernels), or the forced portable path."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if request.param == "avx2" and capability not in ("AVX2", "AVX512"):
+        pytest.skip(f"CPU capability {capability} has no AVX2")
+    old = ops.set_force_generic({"best": 0, "generic": 1, "avx2": 2}[request.param])
     if request.param == "best":
-        assert ops.isa() != "generic" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        assert ops.isa() != "generic" or not capability.startswith(("AVX512", "AVX2"))
+    elif request.param == "avx2":
+        assert ops.isa() == "avx2"
     yield ops
     ops.set_force_generic(old)
 
@@ -152,6 +157,7 @@ def test_kernels_reject_bad_inputs(ops):
         lambda: ops.w8a8_dynamic_linear(x, q, rs, ws.double(), None),                 # scale dtype
         lambda: ops.w8a8_dynamic_linear(x, q[:, ::2], rs, ws, None),                  # non-contiguous weight
         lambda: ops.w8a8_static_linear(x, q, rs, 0.1, 0.0, ws, rs[:4], None),         # quant_bias size
+        lambda: ops.set_force_generic(3),                                             # no such ISA cap
     ]
     for i, call in enumerate(bad):
         with pytest.raises(RuntimeError):

@@ -46,12 +46,12 @@ constexpr int64_t kRowBlock = 4;     // weight rows sharing one x chunk load
 constexpr int64_t kRowGrain = 64;    // rows per parallel chunk (at least)
 constexpr int64_t kPrefetchRows = 16;  // software prefetch distance in weight rows (past the end is harmless)
 constexpr int64_t kMaxK = 1 << 16;   // int32 accumulators of the u8 x s8 products cannot overflow below this
-int g_force_generic = 0;             // tests: 1 = portable path only
+int g_force_generic = 0;             // tests: 1 = portable path only, 2 = at most AVX2 (set_force_generic)
 
 bool use_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl");
-  return ok && !g_force_generic;
+  return ok && g_force_generic == 0;
 }
 
 bool use_bf16() {
@@ -421,8 +421,10 @@ at::Tensor w8a8_static_linear(const at::Tensor& x_in, const at::Tensor& weight, 
   }), x_in);
 }
 
-// Tests: force the portable path (1) or the best available ISA (0); returns the previous setting.
+// Tests: the best available ISA (0), the portable path only (1), or at most AVX2 + FMA (2: the weight-only AVX2
+// kernels of quant_wo_avx2.h on any CPU that has AVX2); returns the previous setting.
 int64_t set_force_generic(int64_t value) {
+  TORCH_CHECK(value >= 0 && value <= 2, "set_force_generic: value must be 0, 1 or 2, got ", value);
   const int64_t old = g_force_generic;
   g_force_generic = static_cast<int>(value);
   return old;
@@ -451,9 +453,9 @@ at::Tensor wo_nv_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_
   return like_x(wo_nv_linear_impl(x, packed, bits, n, k, scale_nk, zero_nk, scale_nv, zs_nv, bias), x_in);
 }
 
-// Which ISA the kernels use now: "avx512-vnni", "avx512" or "generic".
+// Which ISA the kernels use now: "avx512[-vnni][-bf16]", "avx2" (weight-only kernels) or "generic".
 std::string isa() {
-  if (!use_avx512()) return "generic";
+  if (!use_avx512()) return use_avx2() ? "avx2" : "generic";
   return std::string("avx512") + (use_vnni() ? "-vnni" : "") + (use_bf16() ? "-bf16" : "");
 }
 

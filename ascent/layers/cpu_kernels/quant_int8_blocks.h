@@ -45,6 +45,8 @@ void i8_block_generic(const I8Args& a, int64_t n, int64_t rows, int64_t mb, cons
     }
 }
 
+#include "quant_int8_avx2.h"
+
 using I8BlockFn = void (*)(const I8Args&, int64_t, const uint8_t*, int32_t*);
 
 template <int R>
@@ -61,7 +63,7 @@ I8BlockFn i8_block_fn(int64_t mb) {
 void i8_block(const I8Args& a, bool vnni, const int32_t* row_sum, int64_t n, int64_t rows, int64_t m0, int64_t mb,
               int32_t* acc) {
   const uint8_t* x = a.xq + m0 * a.ldx;
-  if (!vnni) return i8_block_generic(a, n, rows, mb, x, acc);
+  if (!vnni) return use_avx2() ? i8_block_avx2(a, n, rows, mb, x, acc) : i8_block_generic(a, n, rows, mb, x, acc);
   if (rows == kRowBlock) {
     i8_block_fn<kRowBlock>(mb)(a, n, x, acc);
   } else {

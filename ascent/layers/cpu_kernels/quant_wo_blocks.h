@@ -125,6 +125,8 @@ void wo_block_generic(const WoArgs& a, bool int4, int64_t n, int64_t rows, int64
     }
 }
 
+#include "quant_wo_avx2.h"
+
 using WoBlockFn = void (*)(const WoArgs&, int64_t, const float*, float*);
 
 template <int R>
@@ -136,7 +138,10 @@ WoBlockFn wo_block_fn(bool int4, int64_t mb) {
 // acc [mb, rows] for weight rows [n, n + rows) and tokens [m0, m0 + mb).
 void wo_block(const WoArgs& a, bool int4, int64_t n, int64_t rows, int64_t m0, int64_t mb, float* acc) {
   const float* x = a.xf + m0 * a.ldx;
-  if (!use_avx512()) return wo_block_generic(a, int4, n, rows, mb, x, acc);
+  if (!use_avx512()) {
+    if (use_avx2()) return wo_block_avx2(a, int4, n, rows, mb, x, acc);
+    return wo_block_generic(a, int4, n, rows, mb, x, acc);
+  }
   if (rows == kRowBlock) return wo_block_fn<kRowBlock>(int4, mb)(a, n, x, acc);
   for (int64_t r = 0; r < rows; ++r) {  // tail rows one at a time
     float one[2];
