@@ -248,9 +248,6 @@ __attribute__((target("avx2,fma,f16c"))) void gemv_row_seq_avx2(const GemvArgs& 
 // x rows in passes of up to 4, each pass over W rows row_begin..row_end one after another (gemv_row_seq_avx2).
 template <typename T, bool kIsHalf>
 void run_rows_avx2(const GemvArgs& a, int64_t row_begin, int64_t row_end) {
-  const char* first = static_cast<const char*>(a.w) + row_begin * a.k * 2;
-  const int64_t head = std::min<int64_t>(kSeqPrefetchL2, (row_end - row_begin) * a.k * 2);
-  for (int64_t b = 0; b < head; b += 64) __builtin_prefetch(first + b, 0, b < kSeqPrefetchL1 ? 3 : 1);
   for (int64_t m0 = 0; m0 < a.m; m0 += 4) {
     const int64_t ms = std::min<int64_t>(4, a.m - m0);
     for (int64_t n = row_begin; n < row_end; ++n) {
