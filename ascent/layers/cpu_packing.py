@@ -42,6 +42,10 @@ SMALL_M_MAX = 4
 # 555-561, batch 16 478-498 -> 542-585 (the weights stream from DRAM once per 4 rows of x, then from L2/L3); batch
 # 24 / 32 at 16 vs 32: 593 vs 616 / 644 vs 591 (no gain).
 SMALL_M_MAX_BF16_DOT = 16
+# bf16 / fp16 on the kernel's AVX2 path (CPUs without AVX512, whose oneDNN has no native 16-bit GEMM: the GEMM
+# layout is an fp32 copy). Measured on a Zen 2 (SmolLM2's 30 layers, 2 threads, ms per sweep, small-M kernel vs fp32
+# GEMM): M = 1 9.0 vs 38, 4 11 vs 66, 8 20 vs 71, 16 38 vs 86, 32 75 vs 114, 64 155 vs 183, 96 219 vs 238.
+SMALL_M_MAX_AVX2 = 64
 
 _PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 # Rows of x up to which an AMX-packed weight is used (oneDNN's blocked GEMM wins above).
@@ -130,12 +134,17 @@ def small_m_kernel(weight: torch.Tensor) -> ModuleType | None:
 @functools.lru_cache(maxsize=None)
 def small_m_max(dtype: torch.dtype) -> int:
     """Rows of x up to which ``dtype`` calls take the small-M kernel: ``SMALL_M_MAX_BF16_DOT`` for bf16 where the
-    kernel has AVX512-BF16 dot products (one W pass serves 4 rows at full rate), else ``SMALL_M_MAX``. (With AMX the
-    tiles take these calls first; this range is then unused.) Cached once computed, so the module path and the decode
-    stack always agree (a test that lowers the kernel's ISA limit and then asks must clear the cache)."""
+    kernel has AVX512-BF16 dot products (one W pass serves 4 rows at full rate), ``SMALL_M_MAX_AVX2`` on its AVX2
+    path, else ``SMALL_M_MAX``. (With AMX the tiles take these calls first; this range is then unused.) Cached once
+    computed, so the module path and the decode stack always agree (a test that lowers the kernel's ISA limit and
+    then asks must clear the cache)."""
     ops = gemv_ops()
-    if dtype == torch.bfloat16 and ops is not None and ops.bf16_dot_path():
+    if ops is None:
+        return SMALL_M_MAX
+    if dtype == torch.bfloat16 and ops.bf16_dot_path():
         return SMALL_M_MAX_BF16_DOT
+    if ops.kernel_path(dtype == torch.float16) == "avx2":
+        return SMALL_M_MAX_AVX2
     return SMALL_M_MAX
 
 

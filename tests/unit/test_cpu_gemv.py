@@ -100,17 +100,29 @@ def test_dispatch_small_m_kernel_then_packed(gemv):
     assert recorder.calls == limit
 
 
-def test_small_m_range_follows_the_kernel_path(gemv):
-    """bf16 on the AVX512-BF16 dot path keeps the small-M kernel up to SMALL_M_MAX_BF16_DOT rows; other paths and
-    fp16 up to SMALL_M_MAX."""
-    assert cpu_packing.small_m_max(torch.float16) == cpu_packing.SMALL_M_MAX
-    expected = cpu_packing.SMALL_M_MAX_BF16_DOT if gemv.bf16_dot_path() else cpu_packing.SMALL_M_MAX
-    assert cpu_packing.small_m_max(torch.bfloat16) == expected
-    previous = gemv.set_isa_limit(2)  # below AVX512-BF16
+def _expected_small_m_max(gemv, dtype: torch.dtype) -> int:
+    if dtype == torch.bfloat16 and gemv.bf16_dot_path():
+        return cpu_packing.SMALL_M_MAX_BF16_DOT
+    if gemv.kernel_path(dtype == torch.float16) == "avx2":
+        return cpu_packing.SMALL_M_MAX_AVX2
+    return cpu_packing.SMALL_M_MAX
+
+
+@pytest.mark.parametrize("level,paths", [(3, None), (1, ("avx2", "scalar")), (0, ("scalar",))])
+def test_small_m_range_follows_the_kernel_path(gemv, level, paths):
+    """bf16 on the AVX512-BF16 dot path keeps the small-M kernel up to SMALL_M_MAX_BF16_DOT rows, the AVX2 path (bf16
+    and fp16) up to SMALL_M_MAX_AVX2, other paths up to SMALL_M_MAX; capping the ISA moves the range with the path."""
+    previous = gemv.set_isa_limit(level)
     cpu_packing.small_m_max.cache_clear()
     try:
-        assert not gemv.bf16_dot_path()
-        assert cpu_packing.small_m_max(torch.bfloat16) == cpu_packing.SMALL_M_MAX
+        for dtype in (torch.bfloat16, torch.float16):
+            path = gemv.kernel_path(dtype == torch.float16)
+            assert paths is None or path in paths
+            assert cpu_packing.small_m_max(dtype) == _expected_small_m_max(gemv, dtype)
+        if level == 0:
+            assert cpu_packing.small_m_max(torch.bfloat16) == cpu_packing.SMALL_M_MAX
+        if level == 1 and gemv.kernel_path(False) == "avx2":
+            assert cpu_packing.small_m_max(torch.float16) == cpu_packing.SMALL_M_MAX_AVX2
     finally:
         gemv.set_isa_limit(previous)
         cpu_packing.small_m_max.cache_clear()

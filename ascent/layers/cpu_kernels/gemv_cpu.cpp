@@ -245,17 +245,25 @@ __attribute__((target("avx2,fma,f16c"))) void gemv_row_seq_avx2(const GemvArgs& 
   }
 }
 
-// x rows in passes of up to 4, each pass over W rows row_begin..row_end one after another (gemv_row_seq_avx2).
+constexpr int64_t kSeqBlockBytes = 16384;  // W rows per block for several x passes: about half of L1
+
+// x rows in passes of up to 4 (gemv_row_seq_avx2, one W row after another). With more than 4 x rows, W is taken in
+// blocks of about kSeqBlockBytes and every pass runs over a block before the next block is read, so W streams from
+// memory once and the later passes find it in cache.
 template <typename T, bool kIsHalf>
 void run_rows_avx2(const GemvArgs& a, int64_t row_begin, int64_t row_end) {
-  for (int64_t m0 = 0; m0 < a.m; m0 += 4) {
-    const int64_t ms = std::min<int64_t>(4, a.m - m0);
-    for (int64_t n = row_begin; n < row_end; ++n) {
-      switch (ms) {
-        case 4: gemv_row_seq_avx2<T, kIsHalf, 4>(a, n, m0); break;
-        case 3: gemv_row_seq_avx2<T, kIsHalf, 3>(a, n, m0); break;
-        case 2: gemv_row_seq_avx2<T, kIsHalf, 2>(a, n, m0); break;
-        default: gemv_row_seq_avx2<T, kIsHalf, 1>(a, n, m0); break;
+  const int64_t block = a.m <= 4 ? row_end - row_begin : std::max<int64_t>(1, kSeqBlockBytes / (2 * a.k));
+  for (int64_t b0 = row_begin; b0 < row_end; b0 += block) {
+    const int64_t b1 = std::min(row_end, b0 + block);
+    for (int64_t m0 = 0; m0 < a.m; m0 += 4) {
+      const int64_t ms = std::min<int64_t>(4, a.m - m0);
+      for (int64_t n = b0; n < b1; ++n) {
+        switch (ms) {
+          case 4: gemv_row_seq_avx2<T, kIsHalf, 4>(a, n, m0); break;
+          case 3: gemv_row_seq_avx2<T, kIsHalf, 3>(a, n, m0); break;
+          case 2: gemv_row_seq_avx2<T, kIsHalf, 2>(a, n, m0); break;
+          default: gemv_row_seq_avx2<T, kIsHalf, 1>(a, n, m0); break;
+        }
       }
     }
   }
@@ -365,6 +373,16 @@ torch::Tensor linear_small_m(const torch::Tensor& x, const torch::Tensor& weight
 // Whether bf16 calls take the AVX512-BF16 dot-product path now (the Python side sizes the small-M range from it).
 bool bf16_dot_path() { return pick_path(false) == Path::kBf16Dot; }
 
+// The path calls of this dtype (fp16 if half, else bf16) take now: "bf16_dot", "avx512f", "avx2" or "scalar".
+std::string kernel_path(bool half) {
+  switch (pick_path(half)) {
+    case Path::kBf16Dot: return "bf16_dot";
+    case Path::kFma512: return "avx512f";
+    case Path::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
 int64_t set_gemv_isa_limit(int64_t level) {
   TORCH_CHECK(level >= 0 && level <= 3, "set_isa_limit: level must be in [0, 3], got ", level);
   const int64_t previous = g_isa_limit;
@@ -377,6 +395,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small_m", &linear_small_m, "y = x @ W^T (+ bias) for small M, bf16/fp16, fp32 accumulation",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("bf16_dot_path", &bf16_dot_path, "bf16_dot_path() -> whether bf16 takes the AVX512-BF16 path");
+  m.def("kernel_path", &kernel_path, "kernel_path(half) -> the path fp16 (half) or bf16 calls take now",
+        py::arg("half"));
   m.def("set_isa_limit", &set_gemv_isa_limit, "set_isa_limit(level) -> previous (0 scalar, 1 AVX2, 2 AVX512F, "
         "3 AVX512-BF16; tests lower it to cover every path)");
 }
