@@ -57,7 +57,8 @@ def test_stack_beyond_the_small_m_range_equals_module_path(tmp_path, monkeypatch
     if dual_layout_bytes is not None:
         monkeypatch.setenv("ASCENT_CPU_DUAL_LAYOUT_BYTES", dual_layout_bytes)
     model_dir = str(build_model("llama", tmp_path / "m", seed=7))
-    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS] + ["one more prompt"]  # 17 rows per decode step
+    rows = small_m_max(torch.bfloat16) + 1  # decode steps one row beyond the small-M kernel's range
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(rows)]
     fused, stack, _ = _run(model_dir, monkeypatch, "1", prompts)
     assert stack.largest_step == len(prompts) > small_m_max(torch.bfloat16)
     layer = stack.model.layers[0].self_attn.qkv_proj
