@@ -189,8 +189,8 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void split16_256(
 constexpr int64_t kSeqPrefetchL1 = 1024;  // bytes ahead of the read position prefetched into L1
 constexpr int64_t kSeqPrefetchL2 = 4096;  // ... and into L2
 
-// One W row (n) against MS x rows from m0, reading the row front to back, 32 values per step with four accumulator
-// pairs per x row. Rows are contiguous, so prefetching a fixed distance ahead also covers the next row: on a Zen 2
+// One W row (n) against MS x rows from m0, reading the row front to back, 32 values per step into four fp32
+// accumulators per x row (two for 3-4 x rows, to stay within 16 registers). Rows are contiguous, so prefetching a fixed distance ahead also covers the next row: on a Zen 2
 // (K = 576 and 1536, DRAM-resident weights, 2 threads) this sweep streamed 22-24 GB/s where the 4-row blocks reached
 // 18-19 GB/s (torch fp32 sum: 27-28 GB/s).
 template <typename T, bool kIsHalf, int MS>
