@@ -112,7 +112,7 @@ ASCENT_WO_AVX2 inline void fma32_int4(__m128i b, const float* x, int64_t ldx, __
 // One packed int4 row n against MB tokens (16 bytes = 32 columns per load; groups are multiples of 32 columns).
 template <int MB>
 ASCENT_WO_AVX2 void wo4_row_avx2(const WoArgs& a, int64_t n, const float* x, float* out) {
-  constexpr int NP = 2, NA = 2 * NP;
+  constexpr int NP = kWoAvx2Pairs<MB>, NA = 2 * NP;
   const uint8_t* w = static_cast<const uint8_t*>(a.w) + n * a.ldw;
   __m256 y[MB];
   for (int m = 0; m < MB; ++m) y[m] = _mm256_setzero_ps();
