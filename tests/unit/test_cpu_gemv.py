@@ -33,7 +33,7 @@ def isa(gemv, request):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 13, 33])
 @pytest.mark.parametrize("n,k", [(96, 64), (37, 100), (260, 576), (5, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_fp32_reference_within_one_ulp(gemv, isa, dtype, m, n, k, with_bias):

@@ -35,6 +35,7 @@ struct GemvArgs {
   void* out;          // [M,N] in x's dtype
   int64_t m, n, k;
   bool is_half;       // fp16 (else bf16) for x, W, bias and out
+  const float* x_split = nullptr;  // x widened to fp32 in split order (AVX2 path from kSplitXMinRows rows), or null
 
   inline float bias_at(int64_t n_idx) const {
     if (bias == nullptr) return 0.f;
@@ -159,115 +160,7 @@ void gemv_block_fma512(const GemvArgs& a, int64_t n0, int64_t rows, int64_t m0, 
       a.store(m0 + j, n0 + r, _mm512_reduce_add_ps(acc[r][j]));
 }
 
-// ----------------------------------------------------------------------------------------------------------------
-// AVX2 + FMA (CPUs without AVX512, e.g. AMD Zen 1-3): each W row is read front to back, 16 values at a time split
-// into two fp32 vectors (x split alike) and FMA'd into fp32 accumulators; a K tail (K % 16) is summed in scalar fp32
-// after the vector lanes.
-__attribute__((target("avx2,fma"), always_inline)) inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Sixteen 16-bit values as two fp32 vectors. bf16: the even elements (low halves shifted up) and the odd ones
-// (high halves masked), one ALU op each; fp16: elements 0-7 and 8-15. x and W are split the same way, so the lane
-// products pair the same elements.
-template <bool kIsHalf>
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline void split16_256(const uint16_t* p, __m256& lo,
-                                                                                __m256& hi) {
-  if constexpr (kIsHalf) {
-    lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  } else {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  }
-}
-
-constexpr int64_t kSeqPrefetchL1 = 1024;  // bytes ahead of the read position prefetched into L1
-constexpr int64_t kSeqPrefetchL2 = 4096;  // ... and into L2
-
-// One W row (n) against MS x rows from m0, reading the row front to back, 32 values per step into four fp32
-// accumulators per x row (two for 3-4 x rows, to stay within 16 registers). Rows are contiguous, so prefetching a fixed distance ahead also covers the next row: on a Zen 2
-// (K = 576 and 1536, DRAM-resident weights, 2 threads) this sweep streamed 22-24 GB/s where the 4-row blocks reached
-// 18-19 GB/s (torch fp32 sum: 27-28 GB/s).
-template <typename T, bool kIsHalf, int MS>
-__attribute__((target("avx2,fma,f16c"))) void gemv_row_seq_avx2(const GemvArgs& a, int64_t n, int64_t m0) {
-  const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.k;
-  const uint16_t* w = static_cast<const uint16_t*>(a.w) + n * a.k;
-  const char* wb = reinterpret_cast<const char*>(w);
-  constexpr int NA = MS <= 2 ? 4 : 2;  // accumulators per x row (16 ymm registers: MS * NA + 4 W + 2 x)
-  __m256 acc[MS][NA];
-#pragma GCC unroll 8
-  for (int j = 0; j < MS; ++j)
-#pragma GCC unroll 4
-    for (int c = 0; c < NA; ++c) acc[j][c] = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= a.k; i += 32) {
-    __builtin_prefetch(wb + 2 * i + kSeqPrefetchL1, 0, 3);
-    __builtin_prefetch(wb + 2 * i + kSeqPrefetchL2, 0, 1);
-    __m256 w0, w1, w2, w3;
-    split16_256<kIsHalf>(w + i, w0, w1);
-    split16_256<kIsHalf>(w + i + 16, w2, w3);
-#pragma GCC unroll 8
-    for (int j = 0; j < MS; ++j) {
-      __m256 x0, x1;
-      split16_256<kIsHalf>(x + j * a.k + i, x0, x1);
-      acc[j][0] = _mm256_fmadd_ps(w0, x0, acc[j][0]);
-      acc[j][1] = _mm256_fmadd_ps(w1, x1, acc[j][1]);
-      split16_256<kIsHalf>(x + j * a.k + i + 16, x0, x1);
-      acc[j][2 % NA] = _mm256_fmadd_ps(w2, x0, acc[j][2 % NA]);
-      acc[j][3 % NA] = _mm256_fmadd_ps(w3, x1, acc[j][3 % NA]);
-    }
-  }
-  if (i + 16 <= a.k) {
-    __m256 w0, w1;
-    split16_256<kIsHalf>(w + i, w0, w1);
-#pragma GCC unroll 8
-    for (int j = 0; j < MS; ++j) {
-      __m256 x0, x1;
-      split16_256<kIsHalf>(x + j * a.k + i, x0, x1);
-      acc[j][0] = _mm256_fmadd_ps(w0, x0, acc[j][0]);
-      acc[j][1] = _mm256_fmadd_ps(w1, x1, acc[j][1]);
-    }
-    i += 16;
-  }
-  const T* xt = static_cast<const T*>(a.x) + m0 * a.k;
-  const T* wt = static_cast<const T*>(a.w) + n * a.k;
-  for (int j = 0; j < MS; ++j) {
-    __m256 total = _mm256_add_ps(acc[j][0], acc[j][1]);
-    if constexpr (NA == 4) total = _mm256_add_ps(total, _mm256_add_ps(acc[j][2 % NA], acc[j][3 % NA]));
-    float sum = hsum256(total);
-    for (int64_t t = i; t < a.k; ++t) sum += static_cast<float>(wt[t]) * static_cast<float>(xt[j * a.k + t]);
-    a.store(m0 + j, n, sum);
-  }
-}
-
-constexpr int64_t kSeqBlockBytes = 16384;  // W rows per block for several x passes: about half of L1
-
-// x rows in passes of up to 4 (gemv_row_seq_avx2, one W row after another). With more than 4 x rows, W is taken in
-// blocks of about kSeqBlockBytes and every pass runs over a block before the next block is read, so W streams from
-// memory once and the later passes find it in cache.
-template <typename T, bool kIsHalf>
-void run_rows_avx2(const GemvArgs& a, int64_t row_begin, int64_t row_end) {
-  const int64_t block = a.m <= 4 ? row_end - row_begin : std::max<int64_t>(1, kSeqBlockBytes / (2 * a.k));
-  for (int64_t b0 = row_begin; b0 < row_end; b0 += block) {
-    const int64_t b1 = std::min(row_end, b0 + block);
-    for (int64_t m0 = 0; m0 < a.m; m0 += 4) {
-      const int64_t ms = std::min<int64_t>(4, a.m - m0);
-      for (int64_t n = b0; n < b1; ++n) {
-        switch (ms) {
-          case 4: gemv_row_seq_avx2<T, kIsHalf, 4>(a, n, m0); break;
-          case 3: gemv_row_seq_avx2<T, kIsHalf, 3>(a, n, m0); break;
-          case 2: gemv_row_seq_avx2<T, kIsHalf, 2>(a, n, m0); break;
-          default: gemv_row_seq_avx2<T, kIsHalf, 1>(a, n, m0); break;
-        }
-      }
-    }
-  }
-}
+#include "gemv_avx2.h"
 
 enum class Path { kScalar, kAvx2, kFma512, kBf16Dot };
 
@@ -354,6 +247,14 @@ torch::Tensor run_linear_small_m(const torch::Tensor& x, const SmallMLinear& pla
   const bool is_half = x.scalar_type() == at::kHalf;
   const Path path = pick_path(is_half);
   GemvArgs a{x2.data_ptr(), plan.weight, plan.bias, out.data_ptr(), m, n, k, is_half};
+  torch::Tensor x_split;
+  if (path == Path::kAvx2 && m >= kSplitXMinRows) {
+    x_split = torch::empty({m, k}, x.options().dtype(at::kFloat));
+    const auto* x16 = static_cast<const uint16_t*>(x2.data_ptr());
+    if (is_half) split_x_to_f32<true>(x16, x_split.data_ptr<float>(), m, k);
+    else split_x_to_f32<false>(x16, x_split.data_ptr<float>(), m, k);
+    a.x_split = x_split.data_ptr<float>();
+  }
   const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k));  // >= ~32 KiB of weights per task
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
