@@ -44,8 +44,10 @@ SMALL_M_MAX = 4
 SMALL_M_MAX_BF16_DOT = 16
 # bf16 / fp16 on the kernel's AVX2 path (CPUs without AVX512, whose oneDNN has no native 16-bit GEMM: the GEMM
 # layout is an fp32 copy). Measured on a Zen 2 (SmolLM2's 30 layers, 2 threads, ms per sweep, small-M kernel vs fp32
-# GEMM): M = 1 9.0 vs 38, 4 11 vs 66, 8 20 vs 71, 16 38 vs 86, 32 75 vs 114, 64 155 vs 183, 96 219 vs 238.
-SMALL_M_MAX_AVX2 = 64
+# GEMM): M = 1 9.0 vs 38, 4 11 vs 66, 8 20 vs 71, 16 38 vs 86, 32 75 vs 114, 64 155 vs 183, 96 219 vs 238. With
+# x widened once and 2 x 6 register tiles from 5 rows on (gemv_avx2.h): M = 64 124 vs 172, 96 198 vs 253, 128 266 vs
+# 341, 192 402 vs 454, 256 534 vs 568, 512 1106 vs 1036; the range ends where the margin is still about 20 %.
+SMALL_M_MAX_AVX2 = 128
 
 _PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 # Rows of x up to which an AMX-packed weight is used (oneDNN's blocked GEMM wins above).
