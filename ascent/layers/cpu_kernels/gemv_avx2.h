@@ -35,9 +35,9 @@ constexpr int64_t kSeqPrefetchL1 = 1024;  // bytes ahead of the read position pr
 constexpr int64_t kSeqPrefetchL2 = 4096;  // ... and into L2
 
 // One W row (n) against MS x rows from m0, reading the row front to back, 32 values per step into four fp32
-// accumulators per x row (two for 3-4 x rows, to stay within 16 registers). Rows are contiguous, so prefetching a fixed distance ahead also covers the next row: on a Zen 2
-// (K = 576 and 1536, DRAM-resident weights, 2 threads) this sweep streamed 22-24 GB/s where the 4-row blocks reached
-// 18-19 GB/s (torch fp32 sum: 27-28 GB/s).
+// accumulators per x row (two for 3-4 x rows, to stay within 16 registers). Rows are contiguous, so prefetching a
+// fixed distance ahead also covers the next row: on a Zen 2 (K = 576 and 1536, DRAM-resident weights, 2 threads) this
+// sweep streamed 22-24 GB/s where the 4-row blocks reached 18-19 GB/s (torch fp32 sum: 27-28 GB/s).
 template <typename T, bool kIsHalf, int MS>
 __attribute__((target("avx2,fma,f16c"))) void gemv_row_seq_avx2(const GemvArgs& a, int64_t n, int64_t m0) {
   const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.k;
@@ -187,7 +187,8 @@ constexpr int64_t kSeqBlockBytes = 16384;  // W bytes per block that all x passe
 // memory once and the later passes find it in cache.
 template <typename T, bool kIsHalf>
 void run_rows_split_avx2(const GemvArgs& a, int64_t row_begin, int64_t row_end) {
-  const int64_t block = std::max<int64_t>(kSplitTileRowsW, kSeqBlockBytes / (2 * a.k) / kSplitTileRowsW * kSplitTileRowsW);
+  const int64_t block_rows = kSeqBlockBytes / (2 * a.k) / kSplitTileRowsW * kSplitTileRowsW;
+  const int64_t block = std::max<int64_t>(kSplitTileRowsW, block_rows);
   const int64_t passes = (a.m + kSplitTileRowsX - 1) / kSplitTileRowsX;
   for (int64_t b0 = row_begin; b0 < row_end; b0 += block) {
     const int64_t b1 = std::min(row_end, b0 + block);

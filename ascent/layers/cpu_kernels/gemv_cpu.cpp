@@ -4,7 +4,8 @@
 // 16-bit floats are exact in fp32), the result is rounded once to x's dtype, as F.linear does. A decode step is a
 // weight stream: every output row reads its K weights once, so the kernels walk W row-block by row-block (4 rows,
 // contiguous in memory) and reuse each loaded W vector for up to 4 rows of x. Rows are split over torch's intra-op
-// threads. AVX512-BF16 (vdpbf16ps), AVX512F and AVX2+FMA paths are chosen at run time; a scalar path covers the rest.
+// threads. AVX512-BF16 (vdpbf16ps), AVX512F and AVX2+FMA (gemv_avx2.h: rows streamed one by one up to 4 x rows,
+// register tiles over x widened once to fp32 above) paths are chosen at run time; a scalar path covers the rest.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
