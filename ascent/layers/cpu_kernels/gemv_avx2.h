@@ -31,6 +31,15 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void split16_256(
   }
 }
 
+// Sets every accumulator of an [A][B] register array to zero.
+template <int A, int B>
+__attribute__((target("avx2,fma"), always_inline)) inline void zero_accumulators(__m256 (&acc)[A][B]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < A; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < B; ++j) acc[i][j] = _mm256_setzero_ps();
+}
+
 constexpr int64_t kSeqPrefetchL1 = 1024;  // bytes ahead of the read position prefetched into L1
 constexpr int64_t kSeqPrefetchL2 = 4096;  // ... and into L2
 
@@ -45,10 +54,7 @@ __attribute__((target("avx2,fma,f16c"))) void gemv_row_seq_avx2(const GemvArgs& 
   const char* wb = reinterpret_cast<const char*>(w);
   constexpr int NA = MS <= 2 ? 4 : 2;  // accumulators per x row (16 ymm registers: MS * NA + 4 W + 2 x)
   __m256 acc[MS][NA];
-#pragma GCC unroll 8
-  for (int j = 0; j < MS; ++j)
-#pragma GCC unroll 4
-    for (int c = 0; c < NA; ++c) acc[j][c] = _mm256_setzero_ps();
+  zero_accumulators(acc);
   int64_t i = 0;
   for (; i + 32 <= a.k; i += 32) {
     __builtin_prefetch(wb + 2 * i + kSeqPrefetchL1, 0, 3);
@@ -123,10 +129,7 @@ __attribute__((target("avx2,fma,f16c"))) void gemv_tile_split_avx2(const GemvArg
   const float* xs = a.x_split + m0 * a.k;
   const uint16_t* w = static_cast<const uint16_t*>(a.w) + n * a.k;
   __m256 acc[RW][MX];
-#pragma GCC unroll 2
-  for (int r = 0; r < RW; ++r)
-#pragma GCC unroll 6
-    for (int j = 0; j < MX; ++j) acc[r][j] = _mm256_setzero_ps();
+  zero_accumulators(acc);
   int64_t i = 0;
   for (; i + 16 <= a.k; i += 16) {
     __m256 wl[RW], wh[RW];
