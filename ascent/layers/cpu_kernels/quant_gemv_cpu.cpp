@@ -10,8 +10,8 @@
 //   x is de-interleaved once per call (per 32 columns: the even ones, then the odd ones) so one 16-byte load feeds
 //   two 16-lane FMAs. Same scale / zero math as W8A16.
 //   16-bit x: on AVX512-VNNI each x row becomes 16-bit fixed point and the sums are exact in int32 (VPDPBUSD,
-//   quant_wo_vnni.h; int4: any valid group size, int8: G = 1 or groups of a multiple of 4 columns; x with a NaN /
-//   inf takes the next kernel). Otherwise (64-byte weight chunks, up to 4 rows of x per pass, bit-trick weight
+//   quant_wo_vnni.h; int4: any valid group size, int8: G = 1 or groups of a multiple of 4 columns; int4 on AVX2:
+//   VPMADDWD, quant_wo_fixed_avx2.h; x with a NaN / inf takes the next kernel). Otherwise (64-byte weight chunks, up to 4 rows of x per pass, bit-trick weight
 //   decoding, no int -> float converts): W4A16 with bf16 x on AVX512-BF16 uses VDPBF16PS (quant_wo_bf16.h; G = 1 or
 //   groups of a multiple of 64 columns); W8A16 with bf16 / fp16 x uses fp32 FMAs on weights 1 + u / 256
 //   (quant_wo_fma8.h; G = 1 or groups of a multiple of 128). Otherwise x is widened to fp32 and the weights
@@ -242,7 +242,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
     wo_bf16_prepare(x, int4, b, scratch);
   } else if (fma8) {
     wo8_fma_prepare(x, f, scratch_f);
-  } else {
+  } else if (!vnni) {
     xf = float_rows(x, base.kp, int4 ? 32 : 0);
     a.xf = xf.data();
     a.ldx = base.kp;

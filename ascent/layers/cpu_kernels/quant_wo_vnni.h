@@ -59,12 +59,19 @@ struct WoVnniScratch {
   std::vector<int64_t> first_group;
 };
 
-// 16-bit x, VNNI, and every dword lane inside one scale group (int4 groups are multiples of 32 columns already).
+// 16-bit x, VNNI (or int4 on AVX2: quant_wo_fixed_avx2.h, groups of whole 32-column halves of its lanes), and every
+// dword lane inside one scale group (int4 groups are multiples of 32 columns already).
 bool wo_vnni_applies(const at::Tensor& x, bool int4, int64_t groups, int64_t gs) {
   const int64_t lane_cols = int4 ? VnniGeometry<4>::kLaneCols : VnniGeometry<8>::kLaneCols;
-  return g_wo_vnni && use_vnni() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&
+  const bool isa = use_vnni() || (int4 && use_avx2() && (groups == 1 || gs % 32 == 0));
+  return g_wo_vnni && isa && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&
          (groups == 1 || gs % lane_cols == 0);
 }
+
+// int4 on AVX2 (quant_wo_fixed_avx2.h): bf16 rows to fp32, the x fill of its own layout and wo_vnni_block.
+float bf16_row_widen_avx2(const uint16_t* p, int64_t k, float* out);
+void wo_fixed_fill_avx2(const float* xf, int64_t halves, float inv_step, int16_t* xw, int32_t* corr);
+void wo_fixed_block_avx2(const WoVnniArgs& a, int64_t n, int64_t rows, int64_t m0, int64_t mb, float* acc);
 
 // Row m of x as x^ = nearbyint(x / step) into its chunks (scalar: the definition the vector paths reproduce).
 template <int kBits>
@@ -161,14 +168,15 @@ bool wo_vnni_prepare(const at::Tensor& x, int64_t k, int64_t groups, WoVnniArgs&
   s.step.assign(static_cast<size_t>(m_rows), 1.f);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  std::vector<float> xf;
+  const bool avx2 = !use_vnni();  // int4 only (wo_vnni_applies), x from a zero-padded fp32 row
+  thread_local std::vector<float> xf;
+  xf.assign(static_cast<size_t>(nb * G::kCols), 0.f);
   for (int64_t m = 0; m < m_rows; ++m) {
     const uint16_t* row = bits + m * ld;
     float amax = 0.f;
     if (bf16) {
-      amax = bf16_row_amax(row, k);
+      amax = avx2 ? bf16_row_widen_avx2(row, k, xf.data()) : bf16_row_amax(row, k);
     } else {
-      xf.resize(static_cast<size_t>(k));
       const c10::Half* h = reinterpret_cast<const c10::Half*>(row);
       for (int64_t j = 0; j < k; ++j) {
         xf[j] = static_cast<float>(h[j]);
@@ -183,8 +191,10 @@ bool wo_vnni_prepare(const at::Tensor& x, int64_t k, int64_t groups, WoVnniArgs&
     s.step[m] = std::ldexp(1.f, e);
     int8_t* xb = s.xb.data() + m * nb * chunk_bytes;
     int32_t* corr = s.corr.data() + m * nb * 16;
-    if (bf16) wo_vnni_fill_bf16<kBits>(row, k, std::ldexp(1.f, -e), xb, corr);
-    else wo_vnni_fill_row<kBits>(xf.data(), k, std::ldexp(1.f, -e), xb, corr);
+    const float inv_step = std::ldexp(1.f, -e);
+    if (avx2) wo_fixed_fill_avx2(xf.data(), 2 * nb, inv_step, reinterpret_cast<int16_t*>(xb), corr);
+    else if (bf16) wo_vnni_fill_bf16<kBits>(row, k, inv_step, xb, corr);
+    else wo_vnni_fill_row<kBits>(xf.data(), k, inv_step, xb, corr);
   }
   s.lane_group.assign(static_cast<size_t>(nb * 16), 0);
   s.first_group.assign(static_cast<size_t>(nb), 0);
@@ -278,6 +288,7 @@ WoVnniFn wo_vnni_fn(bool grouped, int64_t mb) {
 // acc [mb, rows] for weight rows [n, n + rows) and x rows [m0, m0 + mb) (mb <= kVnniMaxM).
 constexpr int64_t kVnniMaxM = 2;
 void wo_vnni_block(const WoVnniArgs& a, bool int4, int64_t n, int64_t rows, int64_t m0, int64_t mb, float* acc) {
+  if (!use_vnni()) return wo_fixed_block_avx2(a, n, rows, m0, mb, acc);  // int4 only (wo_vnni_applies)
   const bool grouped = a.groups > 1;
   if (rows == kRowBlock) {
     (int4 ? wo_vnni_fn<4, kRowBlock>(grouped, mb) : wo_vnni_fn<8, kRowBlock>(grouped, mb))(a, n, m0, acc);
@@ -289,3 +300,5 @@ void wo_vnni_block(const WoVnniArgs& a, bool int4, int64_t n, int64_t rows, int6
     for (int64_t m = 0; m < mb; ++m) acc[m * rows + r] = one[m];
   }
 }
+
+#include "quant_wo_fixed_avx2.h"

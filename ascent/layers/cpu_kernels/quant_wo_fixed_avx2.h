@@ -1,0 +1,176 @@
+// W4A16 with 16-bit x on CPUs with AVX2 but no AVX512-VNNI (e.g. AMD Zen 1-3): the fixed-point scheme of
+// quant_wo_vnni.h (per x row x^ = nearbyint(x / 2^e) with the same step 2^e, exact integer dot products, corrections
+// -8 sum(x^) per 8-column lane, the same scale lookup and scratch buffers), with 16-bit x^ and VPMADDWD instead of
+// hi / lo bytes and VPDPBUSD. Included at the end of quant_wo_vnni.h, inside ascent_quant's anonymous namespace.
+//
+// Weights: the packed rows as they are (byte j = u(2j) | u(2j + 1) << 4, u = q + 8), read 32 bytes = 64 columns (a
+// "half" of the VNNI kernels' 64-byte chunk) at a time. Word i of such a vector holds columns 4i .. 4i + 3 in its
+// four nibbles, so u_j = (v >> 4j) & 15 (j = 0..3) are 16-bit lanes of column 4i + j, and VPMADDWD(u_j, X_j) sums
+// columns 8l + j and 8l + 4 + j into dword lane l: the four products cover columns 8l .. 8l + 7, the VNNI lane.
+// x layout per row and half: four vectors of 16 int16, X_j word i = x^ of column 4i + j of the half (the fill is a
+// 4 x 4 transpose of fp32 columns per 128-bit lane); 128 bytes per half, as many as the VNNI layout's, so the same
+// scratch holds it. |u x^| <= 15 * 32639, so a lane's four pairs stay far inside int32.
+// Groups are multiples of 32 columns (w4a16_linear's rule), so lanes 0-3 and lanes 4-7 of a half each lie inside one
+// group: one (gs % 64 == 0) or two broadcast scales per half and row.
+// Per 64 weights: one load, three shifts and three ANDs, four VPMADDWD, four adds, one convert and one FMA. Measured
+// on a Zen 2 (2 threads, the 120 linears of a SmolLM2-135M decode step, group 64, bf16 x, DRAM-resident): 9.5 ms
+// with the fp32-weight AVX2 kernel (quant_wo_avx2.h) -> 4.3 ms; single thread, L2-resident, per channel: 11.8 GB/s
+// of packed weights.
+#pragma once
+
+#define ASCENT_WO_FIXED_AVX2 __attribute__((target("avx2,fma")))
+
+// A bf16 row widened to fp32 into out[0 .. k); returns max |x| (exact: a bf16 value widens exactly; inf / NaN
+// compare above every finite value as integers).
+ASCENT_WO_FIXED_AVX2 float bf16_row_widen_avx2(const uint16_t* p, int64_t k, float* out) {
+  __m256i mx = _mm256_setzero_si256();
+  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+  int64_t j = 0;
+  for (; j + 8 <= k; j += 8) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j));
+    const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), bits);
+    mx = _mm256_max_epu32(mx, _mm256_and_si256(bits, magnitude));
+  }
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), mx);
+  uint32_t amax = *std::max_element(lanes, lanes + 8);
+  for (; j < k; ++j) {
+    const uint32_t bits = static_cast<uint32_t>(p[j]) << 16;
+    std::memcpy(out + j, &bits, sizeof(float));
+    amax = std::max(amax, bits & 0x7FFFFFFFu);
+  }
+  float result;
+  std::memcpy(&result, &amax, sizeof(result));
+  return result;
+}
+
+// x^ = nearbyint(x * inv_step) of 32 fp32 columns c0 .. c0 + 31 of a half, by word position: out[j] lane l = x^ of
+// column c0 + 4 l + j (a 4 x 4 transpose in each 128-bit lane, then the lanes' rows i0 i2 i4 i6 | i1 i3 i5 i7 put in
+// order).
+ASCENT_WO_FIXED_AVX2 inline void transposed_x32(const float* x, __m256 inv, __m256i (&out)[4]) {
+  const __m256 a = _mm256_loadu_ps(x), b = _mm256_loadu_ps(x + 8), c = _mm256_loadu_ps(x + 16),
+               d = _mm256_loadu_ps(x + 24);
+  const __m256 ab_lo = _mm256_unpacklo_ps(a, b), ab_hi = _mm256_unpackhi_ps(a, b);
+  const __m256 cd_lo = _mm256_unpacklo_ps(c, d), cd_hi = _mm256_unpackhi_ps(c, d);
+  const __m256 cols[4] = {_mm256_shuffle_ps(ab_lo, cd_lo, 0x44), _mm256_shuffle_ps(ab_lo, cd_lo, 0xEE),
+                          _mm256_shuffle_ps(ab_hi, cd_hi, 0x44), _mm256_shuffle_ps(ab_hi, cd_hi, 0xEE)};
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int j = 0; j < 4; ++j)
+    out[j] = _mm256_permutevar8x32_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(cols[j], inv)), order);
+}
+
+// A row of x (fp32, zero padded to whole halves of 64 columns) into the word layout (file header) and the lanes'
+// corrections corr[l] -= 8 * sum of x^ over lane l's 8 columns.
+ASCENT_WO_FIXED_AVX2 void wo_fixed_fill_avx2(const float* xf, int64_t halves, float inv_step, int16_t* xw,
+                                             int32_t* corr) {
+  const __m256 inv = _mm256_set1_ps(inv_step);
+  for (int64_t hf = 0; hf < halves; ++hf) {
+    __m256i lo[4], hi[4];  // columns 4i + j of words i = 0..7, then of i = 8..15
+    transposed_x32(xf + 64 * hf, inv, lo);
+    transposed_x32(xf + 64 * hf + 32, inv, hi);
+    __m256i sum_lo = lo[0], sum_hi = hi[0];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo[j], hi[j]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xw + 64 * hf + 16 * j), words);
+      if (j > 0) {
+        sum_lo = _mm256_add_epi32(sum_lo, lo[j]);
+        sum_hi = _mm256_add_epi32(sum_hi, hi[j]);
+      }
+    }
+    const __m256i lanes = _mm256_permute4x64_epi64(_mm256_hadd_epi32(sum_lo, sum_hi), 0xD8);  // words 2l, 2l + 1
+    int32_t* c = corr + 8 * hf;
+    const __m256i cur = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c), _mm256_sub_epi32(cur, _mm256_slli_epi32(lanes, 3)));
+  }
+}
+
+// 32 weight bytes at p, of which `left` belong to the row (a zero-padded copy when fewer than 32).
+ASCENT_WO_FIXED_AVX2 inline __m256i row_bytes32(const uint8_t* p, int64_t left) {
+  if (left >= 32) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  alignas(32) uint8_t part[32] = {};
+  std::memcpy(part, p, static_cast<size_t>(left));
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(part));
+}
+
+// One 64-column half hf (32 bytes per weight row) of R weight rows against MB x rows: y[r][m] += s * t with
+// t = sum_j u_j . X_j + the lanes' corrections, s the lanes' scales (grouped) or 1. kTail: the row's last, partial
+// half (read through a zero-padded copy).
+template <int R, int MB, bool kGrouped, bool kTail>
+ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void fixed_half(const WoVnniArgs& a, const uint8_t* w,
+                                                                          const float* const (&row_scale)[R],
+                                                                          int64_t m0, int64_t hf,
+                                                                          __m256 (&y)[R][MB]) {
+  const __m256i nib = _mm256_set1_epi16(0x000F);
+  const int16_t* xw = reinterpret_cast<const int16_t*>(a.xb);
+  const int64_t off = 32 * hf;
+  __m256i xv[MB][4], c[MB];
+  for (int m = 0; m < MB; ++m) {
+    const int64_t at = (m0 + m) * a.nblocks * 2 + hf;  // halves of the x rows before this one, plus hf
+    for (int j = 0; j < 4; ++j) xv[m][j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xw + at * 64 + 16 * j));
+    c[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.corr + at * 8));
+  }
+  int64_t group_a = 0, group_b = 0;  // the groups of lanes 0-3 and 4-7
+  if constexpr (kGrouped) {
+    const int64_t b = hf / 2, lane = b * 16 + 8 * (hf % 2);
+    group_a = a.first_group[b] + a.lane_group[lane];
+    group_b = a.first_group[b] + a.lane_group[lane + 4];
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* p = w + r * a.ldw + off;
+    _mm_prefetch(reinterpret_cast<const char*>(p + kWoAvx2PrefetchL2), _MM_HINT_T1);
+    const __m256i v = kTail ? row_bytes32(p, a.ldw - off) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    // word i of v: columns 4i .. 4i + 3, four bits each
+    const __m256i u[4] = {_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib),
+                          _mm256_and_si256(_mm256_srli_epi16(v, 8), nib), _mm256_srli_epi16(v, 12)};
+    __m256 s = _mm256_setzero_ps();
+    if constexpr (kGrouped)
+      s = group_a == group_b ? _mm256_broadcast_ss(row_scale[r] + group_a)
+                             : _mm256_insertf128_ps(_mm256_set1_ps(row_scale[r][group_a]),
+                                                    _mm_set1_ps(row_scale[r][group_b]), 1);
+    for (int m = 0; m < MB; ++m) {
+      const __m256i t01 = _mm256_add_epi32(_mm256_madd_epi16(u[0], xv[m][0]), _mm256_madd_epi16(u[1], xv[m][1]));
+      const __m256i t23 = _mm256_add_epi32(_mm256_madd_epi16(u[2], xv[m][2]), _mm256_madd_epi16(u[3], xv[m][3]));
+      const __m256 t = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(t01, t23), c[m]));
+      y[r][m] = kGrouped ? _mm256_fmadd_ps(t, s, y[r][m]) : _mm256_add_ps(y[r][m], t);
+    }
+  }
+}
+
+// wo_vnni_rows<4, R, MB, kGrouped> on AVX2: acc[m * R + r] = sum_g s[n + r, g] * (x_g . q_g).
+template <int R, int MB, bool kGrouped>
+ASCENT_WO_FIXED_AVX2 void wo_fixed_rows_avx2(const WoVnniArgs& a, int64_t n, int64_t m0, float* acc) {
+  const uint8_t* w = a.w + n * a.ldw;
+  const float* row_scale[R];
+  __m256 y[R][MB];
+  for (int r = 0; r < R; ++r) {
+    row_scale[r] = a.scale + (n + r) * a.groups;
+    for (int m = 0; m < MB; ++m) y[r][m] = _mm256_setzero_ps();
+  }
+  const int64_t full = a.ldw / 32;
+  for (int64_t hf = 0; hf < full; ++hf) fixed_half<R, MB, kGrouped, false>(a, w, row_scale, m0, hf, y);
+  if (a.ldw % 32) fixed_half<R, MB, kGrouped, true>(a, w, row_scale, m0, full, y);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) {
+      const float sum = hsum_wo_avx2(y[r][m]) * a.step[m0 + m];
+      acc[m * R + r] = kGrouped ? sum : sum * a.scale[n + r];
+    }
+}
+
+template <int R>
+WoVnniFn wo_fixed_fn_avx2(bool grouped, int64_t mb) {
+  if (mb == 1) return grouped ? wo_fixed_rows_avx2<R, 1, true> : wo_fixed_rows_avx2<R, 1, false>;
+  return grouped ? wo_fixed_rows_avx2<R, 2, true> : wo_fixed_rows_avx2<R, 2, false>;
+}
+
+// wo_vnni_block for int4 on AVX2: acc [mb, rows] for weight rows [n, n + rows) and x rows [m0, m0 + mb).
+void wo_fixed_block_avx2(const WoVnniArgs& a, int64_t n, int64_t rows, int64_t m0, int64_t mb, float* acc) {
+  const bool grouped = a.groups > 1;
+  if (rows == kRowBlock) return wo_fixed_fn_avx2<kRowBlock>(grouped, mb)(a, n, m0, acc);
+  for (int64_t r = 0; r < rows; ++r) {  // tail rows one at a time
+    float one[kVnniMaxM];
+    wo_fixed_fn_avx2<1>(grouped, mb)(a, n + r, m0, one);
+    for (int64_t m = 0; m < mb; ++m) acc[m * rows + r] = one[m];
+  }
+}
