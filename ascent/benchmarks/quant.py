@@ -83,10 +83,12 @@ def pick_group_size(model: Any, requested: int | None, quantize_lm_head: bool = 
 
 
 def export_dir_name(scheme: str, fmt: str, quantize_lm_head: bool, group_size: int | None = None,
-                    smoothquant: float | None = None, calib_tokens: int | None = None) -> str:
+                    smoothquant: float | None = None, calib_tokens: int | None = None,
+                    asymmetric: bool = False) -> str:
     """Cache folder of one export: exports with a different head mode, requested group size (None = picked per
-    model) or SmoothQuant setting (alpha and calibration tokens) never share one."""
+    model), SmoothQuant setting (alpha and calibration tokens) or weight symmetry never share one."""
     name = f"{scheme}-{fmt}-lmhead_{'quant' if quantize_lm_head else 'float'}-g{group_size or 'auto'}"
+    name += "-asym" if asymmetric else ""
     return name + (f"-sq{smoothquant:g}_c{calib_tokens}" if smoothquant is not None else "")
 
 
@@ -99,9 +101,11 @@ def export_schemes(args: argparse.Namespace, cache: Path) -> dict[str, dict[str,
     results: dict[str, dict[str, Any]] = {}
     float_model = None
     head = bool(getattr(args, "quantize_lm_head", False))
+    asymmetric = bool(getattr(args, "asymmetric", False))
     requested_group = args.group_size  # set below to the picked size when auto
     for scheme in args.schemes:
-        out = cache / export_dir_name(scheme, args.format, head, requested_group, args.smoothquant, args.calib_tokens)
+        out = cache / export_dir_name(scheme, args.format, head, requested_group, args.smoothquant, args.calib_tokens,
+                                      asymmetric)
         record: dict[str, Any] = {"path": str(out), "error": None}
         try:
             if not (out / "config.json").is_file():
@@ -111,7 +115,7 @@ def export_schemes(args: argparse.Namespace, cache: Path) -> dict[str, dict[str,
                 model = copy.deepcopy(float_model) if args.smoothquant is not None else float_model
                 res = export_float_model(model, scheme, args.format, out, group_size=args.group_size or 128,
                                          smoothquant=args.smoothquant, calib_tokens=args.calib_tokens,
-                                         quantize_lm_head=head)
+                                         quantize_lm_head=head, asymmetric=asymmetric)
                 record["export_seconds"] = res.seconds
             record["checkpoint_bytes"] = sum(p.stat().st_size for p in out.glob("*.safetensors"))
         except Exception as exc:  # noqa: BLE001 - one failing scheme must not stop the benchmark
@@ -289,7 +293,8 @@ def run_quant_bench(args: argparse.Namespace) -> dict[str, Any]:
                    "decode_tokens": args.decode_tokens, "input_len": args.input_len, "rounds": args.rounds,
                    "ppl_tokens": args.ppl_tokens, "ppl_window": args.ppl_window, "group_size": args.group_size,
                    "smoothquant": args.smoothquant, "calib_tokens": args.calib_tokens,
-                   "quantize_lm_head": bool(getattr(args, "quantize_lm_head", False)), "seed": args.seed,
+                   "quantize_lm_head": bool(getattr(args, "quantize_lm_head", False)),
+                   "asymmetric": bool(getattr(args, "asymmetric", False)), "seed": args.seed,
                    "num_threads": threads, "max_num_seqs": args.max_num_seqs,
                    "kv_cache_memory_bytes": args.kv_cache_memory_bytes},
         "variants": summary,
@@ -354,6 +359,8 @@ def add_quant_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib-tokens", type=positive_int, default=512, help="calibration tokens")
     parser.add_argument("--quantize-lm-head", action="store_true",
                         help="quantize lm_head with each scheme too (tied models are untied)")
+    parser.add_argument("--asymmetric", action="store_true",
+                        help="weight-only schemes with --format modelslim: min-max RTN with float offsets")
     parser.add_argument("--cache-dir", default=None, help="keep / reuse the exports here (default: a temp dir)")
     parser.add_argument("--output-json", default=None, help="write the result JSON to this path")
 

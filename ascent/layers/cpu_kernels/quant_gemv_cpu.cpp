@@ -222,13 +222,14 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
   const float* zp = has_zero ? zero->data_ptr<float>() : nullptr;
   thread_local WoVnniScratch scratch_v;  // the workers read it during this call only
   WoVnniArgs v{static_cast<const uint8_t*>(base.w), base.ldw, (base.ldw + 63) / 64, nullptr, nullptr, nullptr,
-               base.scale, groups, nullptr, nullptr};
+               base.scale, groups, nullptr, nullptr, int4 && !use_vnni() ? zp : nullptr, nullptr};
   const bool vnni = wo_vnni_applies(x, int4, groups, k / groups) &&
                     (int4 ? wo_vnni_prepare<4>(x, k, groups, v, scratch_v)
                           : wo_vnni_prepare<8>(x, k, groups, v, scratch_v));
   const bool bf16 = !vnni && wo_bf16_applies(x, int4, groups, k / groups);
   const bool fma8 = !int4 && !vnni && !bf16 && wo8_fma_applies(x, groups, k / groups);
-  const std::vector<float> xsum = x_group_sums(x, groups, has_zero || fma8);
+  const bool zero_folded = vnni && v.zero != nullptr;  // the AVX2 int4 kernel subtracts z * s * sum(x_g) itself
+  const std::vector<float> xsum = x_group_sums(x, groups, (has_zero && !zero_folded) || fma8);
   WoArgs a = base;
   std::vector<float> xf;
   WoBf16Args b{static_cast<const uint8_t*>(base.w), base.ldw, (base.ldw + 63) / 64, base.ldw / 64, nullptr, 0,
@@ -264,7 +265,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
         for (int64_t m = 0; m < mb; ++m)
           for (int64_t r = 0; r < rows; ++r) {
             float y = acc[m * rows + r];
-            if (has_zero)
+            if (has_zero && !zero_folded)
               for (int64_t g = 0; g < groups; ++g)
                 y -= zp[(n + r) * groups + g] * a.scale[(n + r) * groups + g] * xsum[(m0 + m) * groups + g];
             if (!bv.empty()) y += bv[n + r];

@@ -93,10 +93,16 @@ ASCENT_WO_FIXED_AVX2 inline __m256i row_bytes32(const uint8_t* p, int64_t left) 
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(part));
 }
 
+// The per-group values v[group_a] in lanes 0-3 and v[group_b] in lanes 4-7 (one broadcast when they agree).
+ASCENT_WO_FIXED_AVX2 inline __m256 lane_values(const float* v, int64_t group_a, int64_t group_b) {
+  if (group_a == group_b) return _mm256_broadcast_ss(v + group_a);
+  return _mm256_insertf128_ps(_mm256_set1_ps(v[group_a]), _mm_set1_ps(v[group_b]), 1);
+}
+
 // One 64-column half hf (32 bytes per weight row) of R weight rows against MB x rows: y[r][m] += s * t with
 // t = sum_j u_j . X_j + the lanes' corrections, s the lanes' scales (grouped) or 1. kTail: the row's last, partial
 // half (read through a zero-padded copy).
-template <int R, int MB, bool kGrouped, bool kTail>
+template <int R, int MB, bool kGrouped, bool kZero, bool kTail>
 ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void fixed_half(const WoVnniArgs& a, const uint8_t* w,
                                                                           const float* const (&row_scale)[R],
                                                                           int64_t m0, int64_t hf,
@@ -125,21 +131,30 @@ ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void fixed_half(const
     const __m256i u[4] = {_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib),
                           _mm256_and_si256(_mm256_srli_epi16(v, 8), nib), _mm256_srli_epi16(v, 12)};
     __m256 s = _mm256_setzero_ps();
-    if constexpr (kGrouped)
-      s = group_a == group_b ? _mm256_broadcast_ss(row_scale[r] + group_a)
-                             : _mm256_insertf128_ps(_mm256_set1_ps(row_scale[r][group_a]),
-                                                    _mm_set1_ps(row_scale[r][group_b]), 1);
+    if constexpr (kGrouped) s = lane_values(row_scale[r], group_a, group_b);
     for (int m = 0; m < MB; ++m) {
       const __m256i t01 = _mm256_add_epi32(_mm256_madd_epi16(u[0], xv[m][0]), _mm256_madd_epi16(u[1], xv[m][1]));
       const __m256i t23 = _mm256_add_epi32(_mm256_madd_epi16(u[2], xv[m][2]), _mm256_madd_epi16(u[3], xv[m][3]));
-      const __m256 t = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(t01, t23), c[m]));
+      const __m256 t = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(t01, t23), c[m]));  // sum q x^, exact
       y[r][m] = kGrouped ? _mm256_fmadd_ps(t, s, y[r][m]) : _mm256_add_ps(y[r][m], t);
     }
   }
 }
 
-// wo_vnni_rows<4, R, MB, kGrouped> on AVX2: acc[m * R + r] = sum_g s[n + r, g] * (x_g . q_g).
-template <int R, int MB, bool kGrouped>
+// sum_g s[g] * z[g] * x[g] over g < groups (s null: 1).
+ASCENT_WO_FIXED_AVX2 inline float zero_term(const float* s, const float* z, const float* x, int64_t groups) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; s && g + 8 <= groups; g += 8)
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(z + g)), _mm256_loadu_ps(x + g), acc);
+  float out = hsum_wo_avx2(acc);
+  for (; g < groups; ++g) out += (s ? s[g] : 1.f) * z[g] * x[g];
+  return out;
+}
+
+// wo_vnni_rows<4, R, MB, kGrouped> on AVX2: acc[m * R + r] = sum_g s[n + r, g] * (x_g . q_g - z[n + r, g] * sum(x_g))
+// (kZero; else without the zero term).
+template <int R, int MB, bool kGrouped, bool kZero>
 ASCENT_WO_FIXED_AVX2 void wo_fixed_rows_avx2(const WoVnniArgs& a, int64_t n, int64_t m0, float* acc) {
   const uint8_t* w = a.w + n * a.ldw;
   const float* row_scale[R];
@@ -149,28 +164,37 @@ ASCENT_WO_FIXED_AVX2 void wo_fixed_rows_avx2(const WoVnniArgs& a, int64_t n, int
     for (int m = 0; m < MB; ++m) y[r][m] = _mm256_setzero_ps();
   }
   const int64_t full = a.ldw / 32;
-  for (int64_t hf = 0; hf < full; ++hf) fixed_half<R, MB, kGrouped, false>(a, w, row_scale, m0, hf, y);
-  if (a.ldw % 32) fixed_half<R, MB, kGrouped, true>(a, w, row_scale, m0, full, y);
+  for (int64_t hf = 0; hf < full; ++hf) fixed_half<R, MB, kGrouped, kZero, false>(a, w, row_scale, m0, hf, y);
+  if (a.ldw % 32) fixed_half<R, MB, kGrouped, kZero, true>(a, w, row_scale, m0, full, y);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) {
-      const float sum = hsum_wo_avx2(y[r][m]) * a.step[m0 + m];
+      float sum = hsum_wo_avx2(y[r][m]);
+      if constexpr (kZero)  // - sum_g s z sum(x^_g) (grouped; per channel z sum(x^), scaled below)
+        sum -= zero_term(kGrouped ? row_scale[r] : nullptr, a.zero + (n + r) * a.groups,
+                         a.group_sum + (m0 + m) * a.groups, a.groups);
+      sum *= a.step[m0 + m];
       acc[m * R + r] = kGrouped ? sum : sum * a.scale[n + r];
     }
 }
 
-template <int R>
+template <int R, bool kZero>
 WoVnniFn wo_fixed_fn_avx2(bool grouped, int64_t mb) {
-  if (mb == 1) return grouped ? wo_fixed_rows_avx2<R, 1, true> : wo_fixed_rows_avx2<R, 1, false>;
-  return grouped ? wo_fixed_rows_avx2<R, 2, true> : wo_fixed_rows_avx2<R, 2, false>;
+  if (mb == 1) return grouped ? wo_fixed_rows_avx2<R, 1, true, kZero> : wo_fixed_rows_avx2<R, 1, false, kZero>;
+  return grouped ? wo_fixed_rows_avx2<R, 2, true, kZero> : wo_fixed_rows_avx2<R, 2, false, kZero>;
+}
+
+template <int R>
+WoVnniFn wo_fixed_fn_avx2(const WoVnniArgs& a, int64_t mb) {
+  const bool grouped = a.groups > 1;
+  return a.zero ? wo_fixed_fn_avx2<R, true>(grouped, mb) : wo_fixed_fn_avx2<R, false>(grouped, mb);
 }
 
 // wo_vnni_block for int4 on AVX2: acc [mb, rows] for weight rows [n, n + rows) and x rows [m0, m0 + mb).
 void wo_fixed_block_avx2(const WoVnniArgs& a, int64_t n, int64_t rows, int64_t m0, int64_t mb, float* acc) {
-  const bool grouped = a.groups > 1;
-  if (rows == kRowBlock) return wo_fixed_fn_avx2<kRowBlock>(grouped, mb)(a, n, m0, acc);
+  if (rows == kRowBlock) return wo_fixed_fn_avx2<kRowBlock>(a, mb)(a, n, m0, acc);
   for (int64_t r = 0; r < rows; ++r) {  // tail rows one at a time
     float one[kVnniMaxM];
-    wo_fixed_fn_avx2<1>(grouped, mb)(a, n + r, m0, one);
+    wo_fixed_fn_avx2<1>(a, mb)(a, n + r, m0, one);
     for (int64_t m = 0; m < mb; ++m) acc[m * rows + r] = one[m];
   }
 }

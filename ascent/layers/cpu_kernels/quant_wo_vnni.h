@@ -49,6 +49,8 @@ struct WoVnniArgs {
   int64_t groups;
   const int32_t* lane_group;   // [nblocks][16]: lane's group - the chunk's first group (grouped only)
   const int64_t* first_group;  // [nblocks]
+  const float* zero;           // [N, G] subtractive zero points folded in by the AVX2 int4 kernel, or null
+  const float* group_sum;      // with zero: [M, G] sum of x^ over each group (wo_vnni_prepare)
 };
 
 struct WoVnniScratch {
@@ -57,6 +59,7 @@ struct WoVnniScratch {
   std::vector<float> step;
   std::vector<int32_t> lane_group;
   std::vector<int64_t> first_group;
+  std::vector<float> group_sum;
 };
 
 // 16-bit x, VNNI (or int4 on AVX2: quant_wo_fixed_avx2.h, groups of whole 32-column halves of its lanes), and every
@@ -205,6 +208,15 @@ bool wo_vnni_prepare(const at::Tensor& x, int64_t k, int64_t groups, WoVnniArgs&
       if (l == 0) s.first_group[b] = g;
       s.lane_group[b * 16 + l] = static_cast<int32_t>(g - s.first_group[b]);
     }
+  }
+  if (avx2 && a.zero != nullptr) {  // the zero term's sums of x^ per group, from the lanes' corrections -8 sum(x^)
+    s.group_sum.assign(static_cast<size_t>(m_rows * groups), 0.f);
+    for (int64_t m = 0; m < m_rows; ++m)
+      for (int64_t l = 0; l < nb * 16; ++l) {
+        const int64_t g = groups > 1 ? s.first_group[l / 16] + s.lane_group[l] : 0;
+        s.group_sum[m * groups + g] += static_cast<float>(s.corr[m * nb * 16 + l] / -8);
+      }
+    a.group_sum = s.group_sum.data();
   }
   a.xb = s.xb.data();
   a.corr = s.corr.data();

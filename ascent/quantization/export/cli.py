@@ -44,6 +44,9 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize-lm-head", action="store_true",
                         help="also quantize lm_head with the same scheme (a tied model is untied: the input "
                              "embedding stays float, config.json gets tie_word_embeddings=false)")
+    parser.add_argument("--asymmetric", action="store_true",
+                        help="weight-only schemes, --format modelslim: min-max RTN with float offsets "
+                             "(weight_offset) instead of symmetric scales")
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -52,7 +55,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     result = quantize_model(args.model, args.scheme, args.fmt, args.out, group_size=args.group_size,
                             smoothquant=args.smoothquant, calib_tokens=args.calib_tokens, dtype=args.dtype,
-                            quantize_lm_head=args.quantize_lm_head)
+                            quantize_lm_head=args.quantize_lm_head, asymmetric=args.asymmetric)
     print(f"quantized {len(result.quantized_layers)} linears with {result.scheme} ({result.format}, "
           f"{str(result.dtype).removeprefix('torch.')}) in {result.seconds:.1f} s -> {result.out_dir}")
     print("  files: " + ", ".join(result.files))

@@ -81,8 +81,8 @@ def layer_tensors(layer: LayerExport, scheme: ExportScheme, dtype: torch.dtype) 
         tensors = {"weight": pack_int4_pairs_along_n(w.q), "weight_scale": scale, "weight_offset": _zeros_like(scale),
                    "scale_bias": scale_bias(layer)}
     else:
-        tensors = {"weight": w.q.contiguous(), "weight_scale": w.scale.contiguous(),
-                   "weight_offset": _zeros_like(w.scale)}
+        offset = w.offset.contiguous() if w.offset is not None else _zeros_like(w.scale)
+        tensors = {"weight": w.q.contiguous(), "weight_scale": w.scale.contiguous(), "weight_offset": offset}
         if scheme.modelslim_type == "W8A8":
             tensors.update(_w8a8_static(layer, dtype))
     if layer.bias is not None:

@@ -20,8 +20,8 @@ import torch
 from ascent.quantization.export.calibrate import collect_input_stats, corpus_token_ids, quantized_linear_names
 from ascent.quantization.export.ct_writer import write_compressed_tensors
 from ascent.quantization.export.modelslim_writer import write_modelslim
-from ascent.quantization.export.schemes import (FORMATS, LayerExport, check_group_size, get_scheme,
-                                                quantize_layer)
+from ascent.quantization.export.schemes import (FORMATS, LayerExport, check_asymmetric, check_group_size,
+                                                get_scheme, quantize_layer)
 from ascent.quantization.export.smoothquant import apply_smoothquant, smooth_lm_head
 from ascent.quantization.export.source import FloatModel, load_float_model
 
@@ -74,13 +74,17 @@ def _write_config(model: Any, out_dir: Path, dtype: torch.dtype, quant_config: d
 
 def export_float_model(fm: FloatModel, scheme_name: str, fmt: str, out_dir: str | Path,
                        group_size: int = DEFAULT_GROUP_SIZE, smoothquant: float | None = None,
-                       calib_tokens: int = DEFAULT_CALIB_TOKENS, quantize_lm_head: bool = False) -> ExportResult:
+                       calib_tokens: int = DEFAULT_CALIB_TOKENS, quantize_lm_head: bool = False,
+                       asymmetric: bool = False) -> ExportResult:
     """Quantize the already loaded ``fm`` (modified in place when ``smoothquant`` is set) and write ``out_dir``;
-    ``quantize_lm_head`` quantizes ``lm_head`` too (untying a tied model, see the module docstring)."""
+    ``quantize_lm_head`` quantizes ``lm_head`` too (untying a tied model, see the module docstring);
+    ``asymmetric``: min-max RTN with float offsets (weight-only schemes, ModelSlim layout; ``rtn`` module doc)."""
     start = time.perf_counter()
     scheme = get_scheme(scheme_name)
     if fmt not in FORMATS:
         raise ValueError(f"format={fmt!r} is not one of {FORMATS}")
+    if asymmetric:
+        check_asymmetric(scheme, fmt)
     model, dtype = fm.model, fm.dtype
     names = quantized_linear_names(model, include_lm_head=quantize_lm_head)
     if not [n for n in names if not n.endswith("lm_head")]:
@@ -101,7 +105,8 @@ def export_float_model(fm: FloatModel, scheme_name: str, fmt: str, out_dir: str 
     for name in names:
         linear = modules[name]
         bias = linear.bias.detach().float() if linear.bias is not None else None
-        layers.append(LayerExport(name, quantize_layer(name, linear.weight, scheme, dtype, group_size), bias,
+        layers.append(LayerExport(name, quantize_layer(name, linear.weight, scheme, dtype, group_size, asymmetric),
+                                  bias,
                                   stats[name] if stats is not None and scheme.activations == "static" else None))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,11 +126,13 @@ def export_float_model(fm: FloatModel, scheme_name: str, fmt: str, out_dir: str 
 def quantize_model(model: str | None, scheme: str, fmt: str, out_dir: str | Path,
                    group_size: int = DEFAULT_GROUP_SIZE, smoothquant: float | None = None,
                    calib_tokens: int = DEFAULT_CALIB_TOKENS, dtype: str | None = "auto",
-                   quantize_lm_head: bool = False) -> ExportResult:
+                   quantize_lm_head: bool = False, asymmetric: bool = False) -> ExportResult:
     """Load ``model`` (HF dir, ``.gguf`` or None/"default" = SmolLM2) in ``dtype`` and export it (see
     :func:`export_float_model`)."""
-    get_scheme(scheme)
+    checked = get_scheme(scheme)
     if fmt not in FORMATS:
         raise ValueError(f"format={fmt!r} is not one of {FORMATS}")
+    if asymmetric:
+        check_asymmetric(checked, fmt)
     return export_float_model(load_float_model(model, dtype), scheme, fmt, out_dir, group_size, smoothquant,
-                              calib_tokens, quantize_lm_head)
+                              calib_tokens, quantize_lm_head, asymmetric)

@@ -7,7 +7,12 @@ Conventions (the same for every format this package writes):
 * the scale is rounded to its storage dtype *first* and the integers are
   ``clamp(rint(w / stored_scale), -qmax-1, qmax)`` computed in float64, so ``q * stored_scale`` is the best
   representable weight for the scale actually written;
-* ``rint`` is round-half-to-even (``torch.round``).
+* ``rint`` is round-half-to-even (``torch.round``);
+* asymmetric (weight-only schemes): ``scale = (max - min) / (2**bits - 1)`` per row or group (stored dtype first), a
+  float subtractive offset ``z = -2**(bits-1) - min / stored_scale`` (fp32, ModelSlim's ``weight_offset``:
+  ``W = (q - z) * scale``) and ``q = clamp(rint(w / stored_scale + z), -2**(bits-1), 2**(bits-1) - 1)``: the group's
+  minimum and maximum map to the ends of the integer range. A weight already on a per-group affine 4-bit grid with
+  float minimum (GGUF Q4_1, the default model's format, blocks of 32) is reproduced up to the scale's rounding.
 
 Packings:
 
@@ -34,13 +39,16 @@ class QuantizedWeight:
     scale: torch.Tensor
     bits: int
     group_size: int | None = None
+    offset: torch.Tensor | None = None  # asymmetric: fp32 subtractive offsets, the scale's shape
 
     def dequantize(self) -> torch.Tensor:
-        """float64 ``[N, K]`` weight the integers and the stored scales represent."""
+        """float64 ``[N, K]`` weight the integers, the stored scales and offsets represent."""
         scale = self.scale.double()
+        offset = self.offset.double() if self.offset is not None else torch.zeros_like(scale)
         if self.group_size:
             scale = scale.repeat_interleave(self.group_size, dim=1)
-        return self.q.double() * scale
+            offset = offset.repeat_interleave(self.group_size, dim=1)
+        return (self.q.double() - offset) * scale
 
 
 def qmax_for(bits: int) -> int:
@@ -58,6 +66,34 @@ def _rtn(w64: torch.Tensor, absmax: torch.Tensor, bits: int, scale_dtype: torch.
     scale = torch.where(scale == 0, torch.ones_like(scale), scale).to(scale_dtype)
     q = torch.clamp(torch.round(w64 / scale.double()), -qmax - 1, qmax).to(torch.int8)
     return q, scale
+
+
+def _rtn_asymmetric(w64: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                      torch.Tensor]:
+    """Integers, stored scales and fp32 offsets for ``w64`` split in rows of one scale each (last dim)."""
+    qmin, qmax = -qmax_for(bits) - 1, qmax_for(bits)
+    low, high = w64.amin(dim=-1, keepdim=True), w64.amax(dim=-1, keepdim=True)
+    scale = (high - low) / (qmax - qmin)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale).to(scale_dtype)
+    offset = (qmin - low / scale.double()).to(torch.float32)
+    q = torch.clamp(torch.round(w64 / scale.double() + offset.double()), qmin, qmax).to(torch.int8)
+    return q, scale, offset
+
+
+def quantize_asymmetric(weight: torch.Tensor, bits: int, group_size: int | None, scale_dtype: torch.dtype,
+                        name: str = "weight") -> QuantizedWeight:
+    """Asymmetric min-max RTN (module docstring) per channel (``group_size`` None) or per group of ``group_size``
+    input columns; ``scale`` / ``offset`` ``[N, G]``."""
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    size = group_size or k
+    if size < 1 or k % size:
+        raise ValueError(f"{name}: input size K={k} is not divisible by group_size={group_size} "
+                         f"(weight shape [{n}, {k}]); choose a --group-size that divides {k}")
+    q, scale, offset = _rtn_asymmetric(weight.detach().double().reshape(n, k // size, size), bits, scale_dtype)
+    return QuantizedWeight(q=q.reshape(n, k), scale=scale.reshape(n, k // size), bits=bits, group_size=group_size,
+                           offset=offset.reshape(n, k // size))
 
 
 def quantize_per_channel(weight: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> QuantizedWeight:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from ascent.quantization.export.calibrate import ChannelStats
-from ascent.quantization.export.rtn import QuantizedWeight, qmax_for, quantize_per_channel, quantize_per_group
+from ascent.quantization.export.rtn import (QuantizedWeight, qmax_for, quantize_asymmetric, quantize_per_channel,
+                                            quantize_per_group)
 
 FORMATS = ("modelslim", "compressed-tensors")
 
@@ -60,9 +61,23 @@ def check_group_size(weights: dict[str, torch.Tensor], group_size: int) -> None:
                              f"(weight shape [{n}, {k}]); choose a --group-size that divides {k}")
 
 
+def check_asymmetric(scheme: ExportScheme, fmt: str) -> None:
+    """Asymmetric export: weight-only schemes, ModelSlim layout (its ``weight_offset`` holds float offsets;
+    compressed-tensors zero points are integers). ValueError naming the scheme / format otherwise."""
+    if scheme.activations is not None:
+        raise ValueError(f"asymmetric weights are for the weight-only schemes (w8a16, w4a16), not {scheme.name!r}")
+    if fmt != "modelslim":
+        raise ValueError(f"asymmetric weights need format='modelslim' (float weight_offset), got format={fmt!r}: "
+                         "compressed-tensors zero points are integers")
+
+
 def quantize_layer(name: str, weight: torch.Tensor, scheme: ExportScheme, scale_dtype: torch.dtype,
-                   group_size: int) -> QuantizedWeight:
-    """RTN of one linear weight per the scheme (per-group for grouped schemes, per-channel otherwise)."""
+                   group_size: int, asymmetric: bool = False) -> QuantizedWeight:
+    """RTN of one linear weight per the scheme (per-group for grouped schemes, per-channel otherwise), symmetric
+    or (``asymmetric``, see :func:`check_asymmetric`) min-max with float offsets."""
+    if asymmetric:
+        return quantize_asymmetric(weight, scheme.weight_bits, group_size if scheme.grouped else None, scale_dtype,
+                                   name=name)
     if scheme.grouped:
         return quantize_per_group(weight, scheme.weight_bits, group_size, scale_dtype, name=name)
     return quantize_per_channel(weight, scheme.weight_bits, scale_dtype)
