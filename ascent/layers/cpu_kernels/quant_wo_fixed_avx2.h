@@ -12,10 +12,13 @@
 // scratch holds it. |u x^| <= 15 * 32639, so a lane's four pairs stay far inside int32.
 // Groups are multiples of 32 columns (w4a16_linear's rule), so lanes 0-3 and lanes 4-7 of a half each lie inside one
 // group: one (gs % 64 == 0) or two broadcast scales per half and row.
+// Zero points (asymmetric checkpoints): y -= sum_g s z sum(x^_g) once per row and x row, from per-call group sums.
 // Per 64 weights: one load, three shifts and three ANDs, four VPMADDWD, four adds, one convert and one FMA. Measured
 // on a Zen 2 (2 threads, the 120 linears of a SmolLM2-135M decode step, group 64, bf16 x, DRAM-resident): 9.5 ms
-// with the fp32-weight AVX2 kernel (quant_wo_avx2.h) -> 4.3 ms; single thread, L2-resident, per channel: 11.8 GB/s
-// of packed weights.
+// with the fp32-weight AVX2 kernel (quant_wo_avx2.h) -> 4.3-4.6 ms; single thread, L2-resident, per channel:
+// 11.8 GB/s of packed weights. Tried and not kept: an added L1 prefetch 1-2 KiB ahead (the sweep 4.6 -> 6.3 ms);
+// rows one at a time instead of blocks of 4 (within noise); int8 weights the same way (VPMOVSXBW + VPMADDWD: twice
+// the fp32-weight row kernel's speed from L2, but 7.4-9.9 against its 6.2 ms from DRAM, so W8A16 keeps that one).
 #pragma once
 
 #define ASCENT_WO_FIXED_AVX2 __attribute__((target("avx2,fma")))
@@ -102,7 +105,7 @@ ASCENT_WO_FIXED_AVX2 inline __m256 lane_values(const float* v, int64_t group_a, 
 // One 64-column half hf (32 bytes per weight row) of R weight rows against MB x rows: y[r][m] += s * t with
 // t = sum_j u_j . X_j + the lanes' corrections, s the lanes' scales (grouped) or 1. kTail: the row's last, partial
 // half (read through a zero-padded copy).
-template <int R, int MB, bool kGrouped, bool kZero, bool kTail>
+template <int R, int MB, bool kGrouped, bool kTail>
 ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void fixed_half(const WoVnniArgs& a, const uint8_t* w,
                                                                           const float* const (&row_scale)[R],
                                                                           int64_t m0, int64_t hf,
@@ -164,8 +167,8 @@ ASCENT_WO_FIXED_AVX2 void wo_fixed_rows_avx2(const WoVnniArgs& a, int64_t n, int
     for (int m = 0; m < MB; ++m) y[r][m] = _mm256_setzero_ps();
   }
   const int64_t full = a.ldw / 32;
-  for (int64_t hf = 0; hf < full; ++hf) fixed_half<R, MB, kGrouped, kZero, false>(a, w, row_scale, m0, hf, y);
-  if (a.ldw % 32) fixed_half<R, MB, kGrouped, kZero, true>(a, w, row_scale, m0, full, y);
+  for (int64_t hf = 0; hf < full; ++hf) fixed_half<R, MB, kGrouped, false>(a, w, row_scale, m0, hf, y);
+  if (a.ldw % 32) fixed_half<R, MB, kGrouped, true>(a, w, row_scale, m0, full, y);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) {
       float sum = hsum_wo_avx2(y[r][m]);
