@@ -11,11 +11,11 @@
 //   two 16-lane FMAs. Same scale / zero math as W8A16.
 //   16-bit x: on AVX512-VNNI each x row becomes 16-bit fixed point and the sums are exact in int32 (VPDPBUSD,
 //   quant_wo_vnni.h; int4: any valid group size, int8: G = 1 or groups of a multiple of 4 columns; int4 on AVX2:
-//   VPMADDWD, quant_wo_fixed_avx2.h; x with a NaN / inf takes the next kernel). Otherwise (64-byte weight chunks, up to 4 rows of x per pass, bit-trick weight
-//   decoding, no int -> float converts): W4A16 with bf16 x on AVX512-BF16 uses VDPBF16PS (quant_wo_bf16.h; G = 1 or
-//   groups of a multiple of 64 columns); W8A16 with bf16 / fp16 x uses fp32 FMAs on weights 1 + u / 256
-//   (quant_wo_fma8.h; G = 1 or groups of a multiple of 128). Otherwise x is widened to fp32 and the weights
-//   converted to fp32 (quant_wo_blocks.h).
+//   VPMADDWD, quant_wo_fixed_avx2.h; x with a NaN / inf takes the next kernel). Otherwise (64-byte weight chunks,
+//   up to 4 rows of x per pass, bit-trick weight decoding, no int -> float converts): W4A16 with bf16 x on
+//   AVX512-BF16 uses VDPBF16PS (quant_wo_bf16.h; G = 1 or groups of a multiple of 64 columns); W8A16 with bf16 /
+//   fp16 x uses fp32 FMAs on weights 1 + u / 256 (quant_wo_fma8.h; G = 1 or groups of a multiple of 128).
+//   Otherwise x is widened to fp32 and the weights converted to fp32 (quant_wo_blocks.h).
 // * w8a8_dynamic_linear: per-token symmetric int8 quantization of x with the rounding of the torch reference
 //   (s = max|x| / 127, q = clamp(nearbyint(x / s), -128, 127), all-zero rows s = 0), exact int32 x_q . W_q
 //   (AVX512-VNNI u8 x s8 with u = q + 128 and the weight row sums as correction), y = acc * s_x * s_w (+ bias).

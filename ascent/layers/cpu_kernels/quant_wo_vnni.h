@@ -172,8 +172,8 @@ bool wo_vnni_prepare(const at::Tensor& x, int64_t k, int64_t groups, WoVnniArgs&
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const bool avx2 = !use_vnni();  // int4 only (wo_vnni_applies), x from a zero-padded fp32 row
-  thread_local std::vector<float> xf;
-  xf.assign(static_cast<size_t>(nb * G::kCols), 0.f);
+  thread_local std::vector<float> xf;  // fp32 rows: fp16 x, and every x on AVX2
+  if (avx2 || !bf16) xf.assign(static_cast<size_t>(nb * G::kCols), 0.f);
   for (int64_t m = 0; m < m_rows; ++m) {
     const uint16_t* row = bits + m * ld;
     float amax = 0.f;
