@@ -68,6 +68,18 @@ def _rtn(w64: torch.Tensor, absmax: torch.Tensor, bits: int, scale_dtype: torch.
     return q, scale
 
 
+def _groups_of(weight: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
+    """float64 ``weight [N, K]`` as ``[N, K // group_size, group_size]``; ValueError naming ``name`` and the sizes
+    when it is not 2-D or K is not divisible by ``group_size``."""
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if group_size < 1 or k % group_size:
+        raise ValueError(f"{name}: input size K={k} is not divisible by group_size={group_size} "
+                         f"(weight shape [{n}, {k}]); choose a --group-size that divides {k}")
+    return weight.detach().double().reshape(n, k // group_size, group_size)
+
+
 def _rtn_asymmetric(w64: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor,
                                                                                       torch.Tensor]:
     """Integers, stored scales and fp32 offsets for ``w64`` split in rows of one scale each (last dim)."""
@@ -84,14 +96,9 @@ def quantize_asymmetric(weight: torch.Tensor, bits: int, group_size: int | None,
                         name: str = "weight") -> QuantizedWeight:
     """Asymmetric min-max RTN (module docstring) per channel (``group_size`` None) or per group of ``group_size``
     input columns; ``scale`` / ``offset`` ``[N, G]``."""
-    if weight.dim() != 2:
-        raise ValueError(f"{name}: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    size = group_size or weight.shape[-1]
+    q, scale, offset = _rtn_asymmetric(_groups_of(weight, size, name), bits, scale_dtype)
     n, k = weight.shape
-    size = group_size or k
-    if size < 1 or k % size:
-        raise ValueError(f"{name}: input size K={k} is not divisible by group_size={group_size} "
-                         f"(weight shape [{n}, {k}]); choose a --group-size that divides {k}")
-    q, scale, offset = _rtn_asymmetric(weight.detach().double().reshape(n, k // size, size), bits, scale_dtype)
     return QuantizedWeight(q=q.reshape(n, k), scale=scale.reshape(n, k // size), bits=bits, group_size=group_size,
                            offset=offset.reshape(n, k // size))
 
@@ -110,13 +117,8 @@ def quantize_per_group(weight: torch.Tensor, bits: int, group_size: int, scale_d
     """Symmetric RTN with one scale per ``group_size`` consecutive input columns; scale ``[N, K // group_size]``.
 
     Raises ValueError naming ``name`` and the sizes when K is not divisible by ``group_size``."""
-    if weight.dim() != 2:
-        raise ValueError(f"{name}: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    w64 = _groups_of(weight, group_size, name)
     n, k = weight.shape
-    if group_size < 1 or k % group_size:
-        raise ValueError(f"{name}: input size K={k} is not divisible by group_size={group_size} "
-                         f"(weight shape [{n}, {k}]); choose a --group-size that divides {k}")
-    w64 = weight.detach().double().reshape(n, k // group_size, group_size)
     q, scale = _rtn(w64, w64.abs().amax(dim=2, keepdim=True), bits, scale_dtype)
     return QuantizedWeight(q=q.reshape(n, k), scale=scale.reshape(n, k // group_size), bits=bits,
                            group_size=group_size)
