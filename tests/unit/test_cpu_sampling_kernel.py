@@ -76,7 +76,12 @@ def _argmax_cases() -> list[torch.Tensor]:
     infs[1, 3], infs[1, 20] = float("inf"), float("inf")
     zeros = torch.zeros(2, 19)
     zeros[:, ::2] = -0.0  # -0.0 ties with 0.0
-    return [*cases, ties, nans, infs, zeros, torch.randn(5, 64, generator=gen)[:, ::2]]  # last: non-contiguous
+    tails = torch.randn(4, 43, generator=gen)  # 43 = 5 vector blocks of 8 + a scalar tail of 3
+    tails[0, 42] = 9.0  # the maximum in the tail
+    tails[1, 41] = float("nan")  # a NaN only in the tail
+    tails[2, 3], tails[2, 41] = 9.0, 9.0  # a tie between the vector part and the tail: the first wins
+    tails[3, 7], tails[3, 41] = float("nan"), float("nan")
+    return [*cases, ties, nans, infs, zeros, tails, torch.randn(5, 64, generator=gen)[:, ::2]]  # last: non-contiguous
 
 
 @pytest.mark.parametrize("case", range(len(_argmax_cases())))

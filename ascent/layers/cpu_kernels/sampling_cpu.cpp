@@ -63,9 +63,48 @@ __attribute__((target("avx512f"))) int64_t argmax_avx512(const float* row, int64
   return 0;  // unreachable: the maximum is an element of the row
 }
 
+// The same with AVX2 + a scalar tail (CPUs without AVX512: the scalar loop took ~220 us for a 49k vocabulary).
+__attribute__((target("avx2"))) int64_t argmax_avx2(const float* row, int64_t vocab) {
+  const int64_t main = vocab & ~int64_t(7);
+  __m256 vmax = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+  for (int64_t i = 0; i < main; i += 8) {
+    const __m256 x = _mm256_loadu_ps(row + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    vmax = _mm256_max_ps(vmax, x);
+  }
+  if (_mm256_movemask_ps(nan)) return argmax_scalar(row, vocab);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float top = -INFINITY;
+  for (float v : lanes) top = std::fmax(top, v);
+  for (int64_t i = main; i < vocab; ++i) {
+    if (std::isnan(row[i])) return i;
+    top = std::fmax(top, row[i]);
+  }
+  const __m256 target = _mm256_set1_ps(top);
+  for (int64_t i = 0; i < main; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), target, _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  for (int64_t i = main; i < vocab; ++i)
+    if (row[i] == top) return i;
+  return 0;  // unreachable: the maximum is an element of the row
+}
+
 bool has_avx512f() {
   static const bool yes = __builtin_cpu_supports("avx512f");
   return yes;
+}
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+
+int64_t argmax_row(const float* row, int64_t vocab) {
+  if (has_avx512f()) return argmax_avx512(row, vocab);
+  if (has_avx2()) return argmax_avx2(row, vocab);
+  return argmax_scalar(row, vocab);
 }
 
 }  // namespace
@@ -80,10 +119,8 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   auto out = torch::empty({rows}, x.options().dtype(at::kLong));
   const float* base = x.data_ptr<float>();
   int64_t* od = out.data_ptr<int64_t>();
-  const bool vec = has_avx512f();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      od[r] = vec ? argmax_avx512(base + r * vocab, vocab) : argmax_scalar(base + r * vocab, vocab);
+    for (int64_t r = begin; r < end; ++r) od[r] = argmax_row(base + r * vocab, vocab);
   });
   return out;
 }
