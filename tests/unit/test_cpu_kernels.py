@@ -124,11 +124,12 @@ def test_bf16_vector_paths_with_tails(ops, isa, d, hidden):
 
 
 @pytest.mark.parametrize("d", [32, 64, 128])
-@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (4, 2), (6, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (4, 2), (6, 2), (8, 2), (8, 1), (5, 1), (12, 2), (7, 1)])
 def test_grouped_bf16_attention_matches_sdpa(ops, isa, d, heads, kv_heads):
     """avx512_attention.h (all query heads of a KV head per pass; group * d / 16 <= 16) and, beyond that, the
-    per-head kernel (AVX512, or AVX2 below that level): contexts of 1 key, of a partial 16-key block and of several
-    blocks, with and without a window."""
+    per-head AVX512 kernel; on AVX2 avx2_attention.h (groups 1 .. 8, 4- and 8-lane score rows, value passes of 1, 2
+    and 4 blocks of 16 dims): contexts of 1 key, of a partial 16-key block and of several blocks (odd and even key
+    counts), with and without a window."""
     gen = torch.Generator().manual_seed(d + heads)
     num_slots = 120
     cache = _paged_cache(torch.bfloat16, num_slots, kv_heads, d, gen)
@@ -143,8 +144,9 @@ def test_grouped_bf16_attention_matches_sdpa(ops, isa, d, heads, kv_heads):
 @pytest.mark.parametrize("d,heads,kv_heads", [(64, 9, 3), (128, 4, 2), (32, 4, 4), (64, 8, 2)])
 def test_long_contexts_split_over_key_chunks_match_sdpa(ops, isa, d, heads, kv_heads):
     """split_attention.h: contexts past 256 keys in chunks (unnormalised partial sums merged by their maxima), on
-    every ISA path (below AVX512-BF16 the whole-context kernels run); around the chunk boundaries, with a window that
-    keeps a row under / over the threshold, and a row's result independent of the rows batched with it."""
+    every ISA path (AVX512-BF16 and AVX2 chunk kernels; the scalar path runs whole contexts); around the chunk
+    boundaries, with a window that keeps a row under / over the threshold, and a row's result independent of the
+    rows batched with it."""
     gen = torch.Generator().manual_seed(d * heads)
     num_slots = 2200
     cache = _paged_cache(torch.bfloat16, num_slots, kv_heads, d, gen)

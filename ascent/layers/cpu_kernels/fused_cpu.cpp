@@ -64,6 +64,7 @@ inline float exp_approx(float x) {
 #include "avx512_bf16.h"
 #include "avx2_bf16.h"
 #include "avx512_attention.h"
+#include "avx2_attention.h"
 #include "split_attention.h"
 #include "amx_attention.h"
 #include "avx512_prefill_attention.h"
@@ -332,7 +333,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     const scalar_t* vbase = kbase + num_slots * row_w;
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t qs = q.stride(0);
-    const GroupedAttention grouped = has_avx512() ? attend_grouped_for(d, group) : GroupedAttention{};
+    const GroupedAttention grouped = has_avx512() ? attend_grouped_for(d, group) : attend_grouped_avx2_for(d, group);
     if constexpr (std::is_same_v<scalar_t, bf16>) {
       const DecodeAttentionCall call{as_bf16(qp), qs, as_bf16(kbase), as_bf16(vbase), sp, L, lens, num_heads,
                                      kv_heads, d, window, static_cast<float>(scale), as_bf16(op)};

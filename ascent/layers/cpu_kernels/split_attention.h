@@ -1,5 +1,6 @@
-// Paged decode attention with long contexts split over key chunks (flash-decoding), for the grouped AVX512-BF16
-// kernels of avx512_attention.h. Included by fused_cpu.cpp inside its anonymous namespace, after avx512_attention.h.
+// Paged decode attention with long contexts split over key chunks (flash-decoding), for the grouped kernels of
+// avx512_attention.h (AVX512-BF16) and avx2_attention.h (AVX2). Included by fused_cpu.cpp inside its anonymous
+// namespace, after both.
 //
 // A (row, KV head) unit is one pass over the row's keys, so a batch of one row has only kv_heads units: SmolLM2's 3
 // KV heads left the second thread idle during attention, whose key/value stream grows with the context (at 2k tokens
