@@ -11,6 +11,7 @@ struct I8Args {
   int64_t ldx;
   const int8_t* w;    // [N, K]
   int64_t k;
+  const int16_t* x16 = nullptr;  // [M, ldx]: q widened to int16 (the AVX2 path; set by int8_linear)
 };
 
 template <int R, int MB>
@@ -63,7 +64,8 @@ I8BlockFn i8_block_fn(int64_t mb) {
 void i8_block(const I8Args& a, bool vnni, const int32_t* row_sum, int64_t n, int64_t rows, int64_t m0, int64_t mb,
               int32_t* acc) {
   const uint8_t* x = a.xq + m0 * a.ldx;
-  if (!vnni) return use_avx2() ? i8_block_avx2(a, n, rows, mb, x, acc) : i8_block_generic(a, n, rows, mb, x, acc);
+  if (!vnni && a.x16 != nullptr) return i8_block_avx2(a, n, rows, mb, a.x16 + m0 * a.ldx, acc);
+  if (!vnni) return i8_block_generic(a, n, rows, mb, x, acc);
   if (rows == kRowBlock) {
     i8_block_fn<kRowBlock>(mb)(a, n, x, acc);
   } else {
@@ -82,7 +84,13 @@ template <typename Epilogue>
 at::Tensor int8_linear(const at::Tensor& x, const std::vector<uint8_t>& xq, int64_t ldx, bool vnni,
                        const at::Tensor& w, const int32_t* row_sum, Epilogue epi) {
   const int64_t m_rows = x.size(0), n_out = w.size(0);
-  const I8Args a{xq.data(), ldx, w.data_ptr<int8_t>(), w.size(1)};
+  I8Args a{xq.data(), ldx, w.data_ptr<int8_t>(), w.size(1)};
+  std::vector<int16_t> x16;
+  if (!vnni && use_avx2()) {
+    x16.resize(xq.size());
+    widen_x16(xq.data(), static_cast<int64_t>(xq.size()), x16.data());
+    a.x16 = x16.data();
+  }
   auto out = at::empty({m_rows, n_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const Store store{out.data_ptr(), out.scalar_type(), n_out};
   parallel_rows(n_out, [&](int64_t begin, int64_t end) {
