@@ -195,21 +195,8 @@ struct Store {
 #include "quant_wo_vnni.h"
 #include "quant_wo_nv.h"
 #include "quant_int8_blocks.h"
+#include "quant_wo8_fixed_avx2.h"
 #include "quant_amx_int8.h"
-
-// [M, G] fp32 sums of x over each group of K / G columns (the zero-point term), empty without zero points.
-std::vector<float> x_group_sums(const at::Tensor& x, int64_t groups, bool needed) {
-  std::vector<float> out;
-  if (!needed) return out;
-  const int64_t m_rows = x.size(0), k = x.size(1), ld = x.stride(0), gs = k / groups;
-  out.assign(static_cast<size_t>(m_rows * groups), 0.f);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "x_group_sums", [&] {
-    const scalar_t* p = x.data_ptr<scalar_t>();
-    for (int64_t m = 0; m < m_rows; ++m)
-      for (int64_t j = 0; j < k; ++j) out[m * groups + j / gs] += static_cast<float>(p[m * ld + j]);
-  });
-  return out;
-}
 
 // y [M, N] = x @ ((q - zero) * scale)^T (+ bias) for either weight layout (K columns; base describes the weights
 // and the fp32 path's x layout). acc = sum_g s * (x_g . q_g) from the block kernels, then y = acc - sum_g z * s *
@@ -228,6 +215,10 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
                           : wo_vnni_prepare<8>(x, k, groups, v, scratch_v));
   const bool bf16 = !vnni && wo_bf16_applies(x, int4, groups, k / groups);
   const bool fma8 = !int4 && !vnni && !bf16 && wo8_fma_applies(x, groups, k / groups);
+  thread_local Wo8FixedScratch scratch_8;  // the workers read it during this call only
+  Wo8FixedArgs f8{static_cast<const int8_t*>(base.w), base.ldw, k, base.scale, groups, k / groups, nullptr, 0, nullptr};
+  const bool fixed8 = !int4 && !vnni && !bf16 && !fma8 && wo8_fixed_applies(x, groups, k / groups) &&
+                      wo8_fixed_prepare(x, k, f8, scratch_8);
   const bool zero_folded = vnni && v.zero != nullptr;  // the AVX2 int4 kernel subtracts z * s * sum(x_g) itself
   const std::vector<float> xsum = x_group_sums(x, groups, (has_zero && !zero_folded) || fma8);
   WoArgs a = base;
@@ -243,7 +234,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
     wo_bf16_prepare(x, int4, b, scratch);
   } else if (fma8) {
     wo8_fma_prepare(x, f, scratch_f);
-  } else if (!vnni) {
+  } else if (!vnni && !fixed8) {
     xf = float_rows(x, base.kp, int4 ? 32 : 0);
     a.xf = xf.data();
     a.ldx = base.kp;
@@ -251,7 +242,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
   const std::vector<float> bv = float_bias(bias, n_out);
   auto out = at::empty({m_rows, n_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const Store store{out.data_ptr(), out.scalar_type(), n_out};
-  const int64_t m_step = vnni ? kVnniMaxM : (bf16 || fma8 ? kBf16MaxM : 2);
+  const int64_t m_step = vnni ? kVnniMaxM : (bf16 || fma8 ? kBf16MaxM : (fixed8 ? kWo8FixedMaxM : 2));
   parallel_rows(n_out, [&](int64_t begin, int64_t end) {
     float acc[kBf16MaxM * kRowBlock];
     for (int64_t n = begin; n < end; n += kRowBlock) {
@@ -261,6 +252,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
         if (vnni) wo_vnni_block(v, int4, n, rows, m0, mb, acc);
         else if (bf16) wo_bf16_block(b, int4, n, rows, m0, mb, acc);
         else if (fma8) wo8_fma_block(f, n, rows, m0, mb, acc);
+        else if (fixed8) wo8_fixed_block_avx2(f8, n, rows, m0, mb, acc);
         else wo_block(a, int4, n, rows, m0, mb, acc);
         for (int64_t m = 0; m < mb; ++m)
           for (int64_t r = 0; r < rows; ++r) {

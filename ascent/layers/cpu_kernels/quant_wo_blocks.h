@@ -158,3 +158,16 @@ int64_t check_scales(const at::Tensor& scale, int64_t n, int64_t k) {
   return scale.size(1);
 }
 
+// [M, G] fp32 sums of x over each group of K / G columns (the zero-point term), empty without zero points.
+std::vector<float> x_group_sums(const at::Tensor& x, int64_t groups, bool needed) {
+  std::vector<float> out;
+  if (!needed) return out;
+  const int64_t m_rows = x.size(0), k = x.size(1), ld = x.stride(0), gs = k / groups;
+  out.assign(static_cast<size_t>(m_rows * groups), 0.f);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "x_group_sums", [&] {
+    const scalar_t* p = x.data_ptr<scalar_t>();
+    for (int64_t m = 0; m < m_rows; ++m)
+      for (int64_t j = 0; j < k; ++j) out[m * groups + j / gs] += static_cast<float>(p[m * ld + j]);
+  });
+  return out;
+}

@@ -1,0 +1,124 @@
+// W8A16 with 16-bit x on AVX2 CPUs without AVX512 (e.g. AMD Zen 2): x as 16-bit fixed point per token, int8 weights,
+// exact integer dot products. Included by quant_gemv_cpu.cpp inside namespace ascent_quant's anonymous namespace,
+// after quant_wo_vnni.h (g_wo_vnni: the tests' switch between the fixed-point and the floating-point kernels) and
+// quant_int8_blocks.h (widen-free int16 row loop of the same shape).
+//
+// The fp32 row kernel (wo8_row_avx2) spends per 8 weights a sign extension to int32, an int -> float convert and an
+// FMA against fp32 x. Here each token's x row becomes x^ = nearbyint(x / step), step = 2^e the power of two that puts
+// max |x| just under 2^15 (a value rounding to 2^15 is clamped to 2^15 - 1); per 32 weights 2 sign-extending loads,
+// 2 VPMADDWD (x^ from L1) and 2 adds give exact int32 sums, flushed to fp32 (convert, times the group's scale) at
+// every scale group and at least every 512 columns. y = step * sum_g s_g (x^_g . q_g); zero points stay with
+// weight_only_linear's epilogue. x^ is exact for every bf16 element down to 2^-7 of the row maximum; smaller ones are
+// rounded to the step, as the VNNI kernels do. Rows with a NaN / inf fall back to the floating-point kernel (prepare
+// returns false).
+#pragma once
+
+constexpr int64_t kWo8FixedMaxM = 4;      // tokens per pass over a weight row
+constexpr int64_t kWo8FixedFlush = 512;   // columns summed in int32 before a flush
+
+struct Wo8FixedArgs {
+  const int8_t* w;      // [N, ldw] int8 weights, K columns used
+  int64_t ldw, k;
+  const float* scale;   // [N, groups]
+  int64_t groups, gs;
+  const int16_t* x;     // [M, ldx] x^, zero padded (ldx a multiple of 32)
+  int64_t ldx;
+  const float* step;    // [M] the tokens' fixed-point steps
+};
+
+struct Wo8FixedScratch {
+  std::vector<int16_t> x;
+  std::vector<float> step;
+};
+
+// Whether this kernel takes the call: bf16 x (fp16's 11 significant bits would lose more to the step: it keeps the
+// floating-point kernel), AVX2 without AVX512, group sizes a multiple of 32 columns and at most 4096 (an int32 lane
+// then sums at most 4096 / 16 products of |q x^| < 2^22).
+bool wo8_fixed_applies(const at::Tensor& x, int64_t groups, int64_t gs) {
+  return g_wo_vnni && x.scalar_type() == at::kBFloat16 && use_avx2() && !use_avx512() &&
+         (groups == 1 || (gs % 32 == 0 && gs <= 4096));
+}
+
+// Fills x^ and the steps for x [M, K]; false when a row holds a NaN / inf (the caller then runs another kernel).
+bool wo8_fixed_prepare(const at::Tensor& x, int64_t k, Wo8FixedArgs& a, Wo8FixedScratch& s) {
+  const int64_t m_rows = x.size(0);
+  a.ldx = (k + 31) / 32 * 32;
+  const std::vector<float> xf = float_rows(x, k);
+  s.x.assign(static_cast<size_t>(m_rows * a.ldx), 0);
+  s.step.assign(static_cast<size_t>(m_rows), 1.f);
+  for (int64_t m = 0; m < m_rows; ++m) {
+    const float* p = xf.data() + m * k;
+    float amax = 0.f;
+    for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(p[j]));
+    if (!std::isfinite(amax)) return false;
+    if (amax == 0.f) continue;  // x^ = 0
+    int e2 = 0;
+    std::frexp(amax, &e2);  // amax < 2^e2
+    const float inv = std::ldexp(1.f, 15 - e2);  // x / step with step = 2^(e2 - 15): |x / step| < 2^15
+    s.step[m] = std::ldexp(1.f, e2 - 15);
+    int16_t* xr = s.x.data() + m * a.ldx;
+    for (int64_t j = 0; j < k; ++j)  // only a value within half a step of 2^15 is clamped (to 2^15 - 1)
+      xr[j] = static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, std::nearbyint(p[j] * inv))));
+  }
+  a.x = s.x.data();
+  a.step = s.step.data();
+  return true;
+}
+
+// out[m] = step[m] * sum_g s[n, g] * (x^_g . q_g) for MB tokens of weight row n.
+template <int MB>
+__attribute__((target("avx2,fma"))) void wo8_fixed_row_avx2(const Wo8FixedArgs& a, int64_t n, int64_t m0,
+                                                            float* out) {
+  const int8_t* w = a.w + n * a.ldw;
+  const int16_t* x = a.x + m0 * a.ldx;
+  auto widen = [](const int8_t* p) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  };
+  auto xs = [&](int m, int64_t k) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * a.ldx + k)); };
+  __m256 y[MB];
+  float tail[MB] = {};
+  for (int m = 0; m < MB; ++m) y[m] = _mm256_setzero_ps();
+  const int64_t span = a.groups == 1 ? kWo8FixedFlush : a.gs;
+  for (int64_t k0 = 0; k0 < a.k; k0 += span) {
+    const int64_t k1 = std::min(a.k, k0 + span);
+    const float sg = a.scale[n * a.groups + (a.groups == 1 ? 0 : k0 / a.gs)];
+    __m256i s[MB][2];
+    for (int m = 0; m < MB; ++m) s[m][0] = s[m][1] = _mm256_setzero_si256();
+    int64_t k = k0;
+    for (; k + 32 <= k1; k += 32) {
+      if ((k & 63) == 0) prefetch_wo_avx2(reinterpret_cast<const uint8_t*>(w + k));
+      const __m256i w0 = widen(w + k), w1 = widen(w + k + 16);
+      for (int m = 0; m < MB; ++m) {
+        s[m][0] = _mm256_add_epi32(s[m][0], _mm256_madd_epi16(w0, xs(m, k)));
+        s[m][1] = _mm256_add_epi32(s[m][1], _mm256_madd_epi16(w1, xs(m, k + 16)));
+      }
+    }
+    if (k + 16 <= k1) {
+      const __m256i w0 = widen(w + k);
+      for (int m = 0; m < MB; ++m) s[m][0] = _mm256_add_epi32(s[m][0], _mm256_madd_epi16(w0, xs(m, k)));
+      k += 16;
+    }
+    for (int m = 0; m < MB; ++m) {
+      int32_t rest = 0;  // the last K % 16 columns (ungrouped rows only: groups are multiples of 32)
+      for (int64_t j = k; j < k1; ++j) rest += static_cast<int32_t>(x[m * a.ldx + j]) * static_cast<int32_t>(w[j]);
+      tail[m] += static_cast<float>(rest) * sg;
+      const __m256 sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s[m][0], s[m][1]));
+      y[m] = _mm256_fmadd_ps(sum, _mm256_set1_ps(sg), y[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = a.step[m0 + m] * (hsum_wo_avx2(y[m]) + tail[m]);
+}
+
+// acc [mb, rows] for weight rows [n, n + rows) and tokens [m0, m0 + mb) (mb <= kWo8FixedMaxM), row after row.
+void wo8_fixed_block_avx2(const Wo8FixedArgs& a, int64_t n, int64_t rows, int64_t m0, int64_t mb, float* acc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float one[kWo8FixedMaxM];
+    switch (mb) {
+      case 1: wo8_fixed_row_avx2<1>(a, n + r, m0, one); break;
+      case 2: wo8_fixed_row_avx2<2>(a, n + r, m0, one); break;
+      case 3: wo8_fixed_row_avx2<3>(a, n + r, m0, one); break;
+      default: wo8_fixed_row_avx2<4>(a, n + r, m0, one); break;
+    }
+    for (int64_t m = 0; m < mb; ++m) acc[m * rows + r] = one[m];
+  }
+}
