@@ -167,6 +167,46 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quant_row_static_avx51
     out[j] = stored(static_cast<int32_t>(std::min(127.f, std::max(-128.f, std::nearbyint(p[j] / s + z)))), vnni);
 }
 
+// amax_scalar with AVX2 (CPUs without AVX512): max |p[j]|, NaN when a p[j] is NaN.
+__attribute__((target("avx2"))) float amax_avx2(const float* p, int64_t k) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= k; j += 8) {
+    const __m256 v = _mm256_loadu_ps(p + j);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, _mm256_and_ps(v, magnitude));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  float r = 0.f;
+  for (float v : lanes) r = std::max(r, v);
+  for (; j < k; ++j) r = std::isnan(p[j]) ? p[j] : std::max(r, std::fabs(p[j]));
+  return _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : r;
+}
+
+// out[j] = stored(clamp(nearbyint(p[j] / div + z), -128, 127)) with AVX2: IEEE division and round-half-even as the
+// scalar paths (z = 0: the dynamic quantizer, as + 0 changes no quotient's rounding).
+__attribute__((target("avx2"))) void quant_row_avx2(const float* p, int64_t k, float div, float z, bool vnni,
+                                                    uint8_t* out) {
+  const __m256 d = _mm256_set1_ps(div), off = _mm256_set1_ps(z), lo = _mm256_set1_ps(-128.f),
+               hi = _mm256_set1_ps(127.f);
+  const __m256i shift = _mm256_set1_epi32(vnni ? 128 : 0);
+  int64_t j = 0;
+  for (; j + 8 <= k; j += 8) {
+    const __m256 v = _mm256_round_ps(_mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(p + j), d), off),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi)), shift);
+    // int32 lanes (all in [-128, 255]) -> 8 bytes: 16-bit packs per 128-bit lane, then the two lanes' low qwords
+    const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q, q), 0x08);
+    const __m128i b8 = _mm_packus_epi16(_mm256_castsi256_si128(w16), _mm256_castsi256_si128(w16));
+    const __m128i s8 = _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_castsi256_si128(w16));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), vnni ? b8 : s8);
+  }
+  for (; j < k; ++j)
+    out[j] = stored(static_cast<int32_t>(std::min(127.f, std::max(-128.f, std::nearbyint(p[j] / div + z)))), vnni);
+}
+
 void check_int8_weight(const at::Tensor& w, const at::Tensor& row_sum) {
   check_weight(w, at::kChar);
   TORCH_CHECK(w.size(1) <= kMaxK, "K = ", w.size(1), " exceeds ", kMaxK);

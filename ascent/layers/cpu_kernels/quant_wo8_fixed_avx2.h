@@ -39,6 +39,20 @@ bool wo8_fixed_applies(const at::Tensor& x, int64_t groups, int64_t gs) {
          (groups == 1 || (gs % 32 == 0 && gs <= 4096));
 }
 
+// out[j] = clamp(nearbyint(p[j] * inv), -32767, 32767) (inv a power of two: the product is exact).
+__attribute__((target("avx2"))) void fixed_row16_avx2(const float* p, int64_t k, float inv, int16_t* out) {
+  const __m256 scale = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-32767.f), hi = _mm256_set1_ps(32767.f);
+  int64_t j = 0;
+  for (; j + 8 <= k; j += 8) {
+    const __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(p + j), scale),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+    const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q, q), 0x08);  // lanes' low qwords: 8 int16
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm256_castsi256_si128(w16));
+  }
+  for (; j < k; ++j) out[j] = static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, std::nearbyint(p[j] * inv))));
+}
+
 // Fills x^ and the steps for x [M, K]; false when a row holds a NaN / inf (the caller then runs another kernel).
 bool wo8_fixed_prepare(const at::Tensor& x, int64_t k, Wo8FixedArgs& a, Wo8FixedScratch& s) {
   const int64_t m_rows = x.size(0);
@@ -48,17 +62,14 @@ bool wo8_fixed_prepare(const at::Tensor& x, int64_t k, Wo8FixedArgs& a, Wo8Fixed
   s.step.assign(static_cast<size_t>(m_rows), 1.f);
   for (int64_t m = 0; m < m_rows; ++m) {
     const float* p = xf.data() + m * k;
-    float amax = 0.f;
-    for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(p[j]));
+    const float amax = amax_avx2(p, k);
     if (!std::isfinite(amax)) return false;
     if (amax == 0.f) continue;  // x^ = 0
     int e2 = 0;
     std::frexp(amax, &e2);  // amax < 2^e2
     const float inv = std::ldexp(1.f, 15 - e2);  // x / step with step = 2^(e2 - 15): |x / step| < 2^15
     s.step[m] = std::ldexp(1.f, e2 - 15);
-    int16_t* xr = s.x.data() + m * a.ldx;
-    for (int64_t j = 0; j < k; ++j)  // only a value within half a step of 2^15 is clamped (to 2^15 - 1)
-      xr[j] = static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, std::nearbyint(p[j] * inv))));
+    fixed_row16_avx2(p, k, inv, s.x.data() + m * a.ldx);  // only a value within half a step of 2^15 is clamped
   }
   a.x = s.x.data();
   a.step = s.step.data();
