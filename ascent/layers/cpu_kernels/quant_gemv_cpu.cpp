@@ -332,9 +332,12 @@ void quantize_rows_dynamic(const at::Tensor& x, int64_t k, int64_t ldx, bool vnn
     }
     sx[m] = amax / 127.f;
     const float div = sx[m] > 0.f ? sx[m] : 1.f;
-    if (use_avx512() || use_avx2()) {
-      (use_avx512() ? quant_row_avx512(p, k, div, vnni, xq.data() + m * ldx)
-                    : quant_row_avx2(p, k, div, 0.f, vnni, xq.data() + m * ldx));
+    if (use_avx512()) {
+      quant_row_avx512(p, k, div, vnni, xq.data() + m * ldx);
+      continue;
+    }
+    if (use_avx2()) {
+      quant_row_avx2(p, k, div, 0.f, vnni, xq.data() + m * ldx);
       continue;
     }
     for (int64_t j = 0; j < k; ++j)
@@ -351,9 +354,12 @@ void quantize_rows_static(const at::Tensor& x, int64_t k, int64_t ldx, bool vnni
   const std::vector<float> xf = float_rows(x, k);
   xq.assign(static_cast<size_t>(m_rows * ldx), 0);
   for (int64_t m = 0; m < m_rows; ++m) {
-    if (use_avx512() || use_avx2()) {
-      (use_avx512() ? quant_row_static_avx512(xf.data() + m * k, k, s, z, vnni, xq.data() + m * ldx)
-                    : quant_row_avx2(xf.data() + m * k, k, s, z, vnni, xq.data() + m * ldx));
+    if (use_avx512()) {
+      quant_row_static_avx512(xf.data() + m * k, k, s, z, vnni, xq.data() + m * ldx);
+      continue;
+    }
+    if (use_avx2()) {
+      quant_row_avx2(xf.data() + m * k, k, s, z, vnni, xq.data() + m * ldx);
       continue;
     }
     for (int64_t j = 0; j < k; ++j) {
