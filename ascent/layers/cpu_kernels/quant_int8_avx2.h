@@ -16,18 +16,21 @@ __attribute__((target("avx2"))) void widen_x16(const uint8_t* xq, int64_t values
                         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + i))));
 }
 
-// acc[m] = sum_k q_x[m, k] * W[n, k] for MB tokens of x16 (rows a.ldx apart).
+// Exact dot products of int8 weights w with int16 x over columns [k0, k1) for MB token rows of x (ldx apart):
+// lanes[m] holds 8 int32 partial sums, rest[m] the products of the last (k1 - k0) % 16 columns. Shared with the
+// W8A16 fixed-point kernel (quant_wo8_fixed_avx2.h), which calls it per scale group.
 template <int MB>
-__attribute__((target("avx2,fma"))) void i8_row_avx2(const I8Args& a, int64_t n, const int16_t* x, int32_t* acc) {
-  const int8_t* w = a.w + n * a.k;
+__attribute__((target("avx2,fma"))) inline void i8_span_avx2(const int8_t* w, const int16_t* x, int64_t ldx,
+                                                             int64_t k0, int64_t k1, __m256i (&lanes)[MB],
+                                                             int32_t (&rest)[MB]) {
   __m256i s[MB][2];
   for (int m = 0; m < MB; ++m) s[m][0] = s[m][1] = _mm256_setzero_si256();
-  auto widen = [](const void* p) {
+  auto widen = [](const int8_t* p) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   };
-  auto xs = [&](int m, int64_t k) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * a.ldx + k)); };
-  int64_t k = 0;
-  for (; k + 32 <= a.k; k += 32) {
+  auto xs = [&](int m, int64_t k) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * ldx + k)); };
+  int64_t k = k0;
+  for (; k + 32 <= k1; k += 32) {
     if ((k & 63) == 0) prefetch_wo_avx2(reinterpret_cast<const uint8_t*>(w + k));
     const __m256i w0 = widen(w + k), w1 = widen(w + k + 16);
 #pragma GCC unroll 4
@@ -36,20 +39,29 @@ __attribute__((target("avx2,fma"))) void i8_row_avx2(const I8Args& a, int64_t n,
       s[m][1] = _mm256_add_epi32(s[m][1], _mm256_madd_epi16(w1, xs(m, k + 16)));
     }
   }
-  if (k + 16 <= a.k) {
+  if (k + 16 <= k1) {
     const __m256i w0 = widen(w + k);
     for (int m = 0; m < MB; ++m) s[m][0] = _mm256_add_epi32(s[m][0], _mm256_madd_epi16(w0, xs(m, k)));
     k += 16;
   }
   for (int m = 0; m < MB; ++m) {
-    const __m256i t = _mm256_add_epi32(s[m][0], s[m][1]);
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    lanes[m] = _mm256_add_epi32(s[m][0], s[m][1]);
+    rest[m] = 0;
+    for (int64_t j = k; j < k1; ++j) rest[m] += static_cast<int32_t>(x[m * ldx + j]) * static_cast<int32_t>(w[j]);
+  }
+}
+
+// acc[m] = sum_k q_x[m, k] * W[n, k] for MB tokens of x16 (rows a.ldx apart).
+template <int MB>
+__attribute__((target("avx2,fma"))) void i8_row_avx2(const I8Args& a, int64_t n, const int16_t* x, int32_t* acc) {
+  __m256i lanes[MB];
+  int32_t rest[MB];
+  i8_span_avx2<MB>(a.w + n * a.k, x, a.ldx, 0, a.k, lanes, rest);
+  for (int m = 0; m < MB; ++m) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(lanes[m]), _mm256_extracti128_si256(lanes[m], 1));
     h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
     h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-    int32_t dot = _mm_cvtsi128_si32(h);
-    const int16_t* xr = x + m * a.ldx;
-    for (int64_t t2 = k; t2 < a.k; ++t2) dot += static_cast<int32_t>(xr[t2]) * static_cast<int32_t>(w[t2]);
-    acc[m] = dot;
+    acc[m] = _mm_cvtsi128_si32(h) + rest[m];
   }
 }
 

@@ -1,7 +1,7 @@
 // W8A16 with 16-bit x on AVX2 CPUs without AVX512 (e.g. AMD Zen 2): x as 16-bit fixed point per token, int8 weights,
 // exact integer dot products. Included by quant_gemv_cpu.cpp inside namespace ascent_quant's anonymous namespace,
 // after quant_wo_vnni.h (g_wo_vnni: the tests' switch between the fixed-point and the floating-point kernels) and
-// quant_int8_blocks.h (widen-free int16 row loop of the same shape).
+// quant_int8_blocks.h (i8_span_avx2, the W8A8 AVX2 kernel's int8 x int16 column loop, amax_avx2).
 //
 // The fp32 row kernel (wo8_row_avx2) spends per 8 weights a sign extension to int32, an int -> float convert and an
 // FMA against fp32 x. Here each token's x row becomes x^ = nearbyint(x / step), step = 2^e the power of two that puts
@@ -82,39 +82,18 @@ __attribute__((target("avx2,fma"))) void wo8_fixed_row_avx2(const Wo8FixedArgs& 
                                                             float* out) {
   const int8_t* w = a.w + n * a.ldw;
   const int16_t* x = a.x + m0 * a.ldx;
-  auto widen = [](const int8_t* p) {
-    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  };
-  auto xs = [&](int m, int64_t k) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * a.ldx + k)); };
   __m256 y[MB];
   float tail[MB] = {};
   for (int m = 0; m < MB; ++m) y[m] = _mm256_setzero_ps();
   const int64_t span = a.groups == 1 ? kWo8FixedFlush : a.gs;
   for (int64_t k0 = 0; k0 < a.k; k0 += span) {
-    const int64_t k1 = std::min(a.k, k0 + span);
     const float sg = a.scale[n * a.groups + (a.groups == 1 ? 0 : k0 / a.gs)];
-    __m256i s[MB][2];
-    for (int m = 0; m < MB; ++m) s[m][0] = s[m][1] = _mm256_setzero_si256();
-    int64_t k = k0;
-    for (; k + 32 <= k1; k += 32) {
-      if ((k & 63) == 0) prefetch_wo_avx2(reinterpret_cast<const uint8_t*>(w + k));
-      const __m256i w0 = widen(w + k), w1 = widen(w + k + 16);
-      for (int m = 0; m < MB; ++m) {
-        s[m][0] = _mm256_add_epi32(s[m][0], _mm256_madd_epi16(w0, xs(m, k)));
-        s[m][1] = _mm256_add_epi32(s[m][1], _mm256_madd_epi16(w1, xs(m, k + 16)));
-      }
-    }
-    if (k + 16 <= k1) {
-      const __m256i w0 = widen(w + k);
-      for (int m = 0; m < MB; ++m) s[m][0] = _mm256_add_epi32(s[m][0], _mm256_madd_epi16(w0, xs(m, k)));
-      k += 16;
-    }
+    __m256i lanes[MB];
+    int32_t rest[MB];  // the last K % 16 columns (ungrouped rows only: groups are multiples of 32)
+    i8_span_avx2<MB>(w, x, a.ldx, k0, std::min(a.k, k0 + span), lanes, rest);
     for (int m = 0; m < MB; ++m) {
-      int32_t rest = 0;  // the last K % 16 columns (ungrouped rows only: groups are multiples of 32)
-      for (int64_t j = k; j < k1; ++j) rest += static_cast<int32_t>(x[m * a.ldx + j]) * static_cast<int32_t>(w[j]);
-      tail[m] += static_cast<float>(rest) * sg;
-      const __m256 sum = _mm256_cvtepi32_ps(_mm256_add_epi32(s[m][0], s[m][1]));
-      y[m] = _mm256_fmadd_ps(sum, _mm256_set1_ps(sg), y[m]);
+      tail[m] += static_cast<float>(rest[m]) * sg;
+      y[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[m]), _mm256_set1_ps(sg), y[m]);
     }
   }
   for (int m = 0; m < MB; ++m) out[m] = a.step[m0 + m] * (hsum_wo_avx2(y[m]) + tail[m]);
