@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from ascent.spec_decode.calibration import DraftEvidence
 from ascent.spec_decode.dynamic import DynamicSpecParams, validate_batch_size_schedule
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "medusa", "eagle", "eagle3", "mtp", "dflash", "dspark",
@@ -273,6 +274,12 @@ class Proposer(ABC):
         Returns int64 ``[len(req_ids), k]`` padded with -1; row ``i`` holds at most ``max_num_tokens[i]`` drafts and
         never drafts past ``max_model_len``.
         """
+
+    def draft_evidence(self) -> list[DraftEvidence | None] | None:
+        """Per request of the latest :meth:`propose` call (same order), the proposer's own evidence for its draft
+        (None for a request without a draft); None when the proposer does not score its drafts. Dynamic
+        speculation calibrates it into per-draft acceptance estimates (:mod:`ascent.spec_decode.calibration`)."""
+        return None
 
     def _check_batch(self, req_ids: list[str], token_ids: list[np.ndarray], max_num_tokens: list[int]) -> None:
         if not len(req_ids) == len(token_ids) == len(max_num_tokens):

@@ -117,8 +117,9 @@ def batch_size_k(schedule: Schedule, batch_size: int, max_k: int) -> int:
 class DynamicSpecParams:
     """vLLM Ascend ``dynamic_spec_config.method_params`` (defaults as there) plus the ascent extensions
     ``min_draft_survival``, ``probe_interval``, the cost-aware gate ``cost_gate``, ``cost_safety_factor``,
-    ``cost_half_life``, ``cost_min_samples`` (module docstring) and the measured arbitration ``goodput_arbiter``,
-    ``arbiter_window``, ``arbiter_interval`` (:mod:`ascent.spec_decode.arbiter`)."""
+    ``cost_half_life``, ``cost_min_samples`` (module docstring), the measured arbitration ``goodput_arbiter``,
+    ``arbiter_window``, ``arbiter_interval`` (:mod:`ascent.spec_decode.arbiter`) and ``calibrate_drafts``: per-draft
+    estimates from a proposer's own evidence (:mod:`ascent.spec_decode.calibration`)."""
 
     initial_verify_budget_per_req: int = 5
     budget_update_interval: int = 16
@@ -131,6 +132,7 @@ class DynamicSpecParams:
     cost_half_life: float = 64.0
     cost_min_samples: int = 8
     goodput_arbiter: bool = True
+    calibrate_drafts: bool = True
     arbiter_window: int = 4
     arbiter_interval: int = 16
 
@@ -145,7 +147,7 @@ class DynamicSpecParams:
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
                 raise ValueError(f"{name}={t!r} is invalid: must be in [0, 1]")
-        for name in ("cost_gate", "goodput_arbiter"):
+        for name in ("cost_gate", "goodput_arbiter", "calibrate_drafts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be true or false")
         for name, lo, hi in (("cost_safety_factor", 0.0, 100.0), ("cost_half_life", 1.0, 1e6)):

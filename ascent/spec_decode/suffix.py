@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ascent.spec_decode.base import Proposer, SpeculativeConfig, pad_drafts
+from ascent.spec_decode.calibration import DraftEvidence
 from ascent.spec_decode.registry import register_proposer
 from ascent.spec_decode.suffix_tree import Draft, SuffixCache
 
@@ -65,3 +66,17 @@ class SuffixDecodingProposer(Proposer):
                                                self.min_token_prob))
         self.last_drafts = drafts
         return pad_drafts([d.token_ids for d in drafts], self.k)
+
+    def draft_evidence(self) -> list[DraftEvidence | None]:
+        """Per draft token the tree's branch ratio ``count(child) / count(node)`` (the ratio of consecutive
+        cumulative probabilities) and the context it continues: the match length plus the token's position."""
+        out: list[DraftEvidence | None] = []
+        for draft in self.last_drafts:
+            if not draft.token_ids:
+                out.append(None)
+                continue
+            cumulative = np.asarray(draft.probs, dtype=np.float64)
+            before = np.concatenate([[1.0], cumulative[:-1]])
+            out.append(DraftEvidence(cond_prob=cumulative / np.maximum(before, 1e-12),
+                                     support=draft.match_len + np.arange(len(cumulative), dtype=np.int64)))
+        return out

@@ -38,6 +38,7 @@ from ascent.sample.metadata import SamplingMetadata
 from ascent.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from ascent.spec_decode.arbiter import GoodputArbiter
 from ascent.spec_decode.base import Proposer, SpeculativeConfig
+from ascent.spec_decode.calibration import DraftCalibration, DraftEvidence
 from ascent.spec_decode.draft_runner import DraftEnv
 from ascent.spec_decode.dynamic import (AcceptanceStats, DraftGate, DynamicSpecParams, DynamicSpecScheduler,
                                         batch_size_k)
@@ -82,12 +83,14 @@ class SpecDecodeRunner:
         self.gate: DraftGate | None = None
         self.step_cost: StepCostModel | BatchStepCost | None = None
         self.arbiter: GoodputArbiter | None = None
+        self.calibration: DraftCalibration | None = None
         if config.dynamic:
             params = DynamicSpecParams.from_dict(config.dynamic_params)
             self.dynamic = DynamicSpecScheduler(self.k, params)
             self.acceptance = AcceptanceStats(self.k)
             self.step_cost = params.step_cost_model()
             self.arbiter = params.arbiter()
+            self.calibration = DraftCalibration() if params.calibrate_drafts else None
             self.gate = DraftGate(params.min_draft_survival, params.probe_interval, self.step_cost,
                                   params.cost_safety_factor)
         self.clock: Callable[[], float] = time.perf_counter  # injectable (tests)
@@ -131,6 +134,8 @@ class SpecDecodeRunner:
                 self.acceptance.remove(req_id)
             if self.gate is not None:
                 self.gate.remove(req_id)
+            if self.calibration is not None:
+                self.calibration.remove(req_id)
 
     # ------------------------------------------------------------------------------------------------ timing
     @contextmanager
@@ -180,6 +185,8 @@ class SpecDecodeRunner:
             if verified:
                 ids, num_drafts, num_accepted = zip(*verified)
                 self.acceptance.record_batch(ids, num_drafts, num_accepted)
+                if self.calibration is not None:
+                    self.calibration.record(ids, num_drafts, num_accepted)
         return accepted
 
     def _draft_probs(self, drafts: list[list[int]], req_ids: list[str] | None,
@@ -264,6 +271,7 @@ class SpecDecodeRunner:
         probs = self.acceptance.token_probs(req_ids)
         mask = self.gate.drafting_mask(probs)
         drafts: list[list[int]] = [[] for _ in req_ids]
+        evidence: list[DraftEvidence | None] = [None] * len(req_ids)
         chosen = np.flatnonzero(mask).tolist()
         if chosen:
             ids = req_ids if len(chosen) == len(req_ids) else [req_ids[i] for i in chosen]
@@ -271,9 +279,16 @@ class SpecDecodeRunner:
             if any(budget):
                 for i, d in zip(chosen, _valid_drafts(self.proposer.propose(ids, token_ids, budget), budget)):
                     drafts[i] = d
+                for i, ev in zip(chosen, self.proposer.draft_evidence() or ()):
+                    evidence[i] = ev if drafts[i] else None
         lengths = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=len(drafts))
-        keep = self.gate.apply(req_ids, probs, lengths, drafted=True, skipped=~mask)
-        return [d[:n] if n < len(d) else d for d, n in zip(drafts, keep.tolist())]
+        if self.calibration is not None and any(ev is not None for ev in evidence):
+            probs = self.calibration.estimate(evidence, probs)
+        keep = self.gate.apply(req_ids, probs, lengths, drafted=True, skipped=~mask).tolist()
+        if self.calibration is not None:
+            for req_id, ev, n in zip(req_ids, evidence, keep):
+                self.calibration.remember(req_id, ev, n)
+        return [d[:n] if n < len(d) else d for d, n in zip(drafts, keep)]
 
     def _contexts(self, batch: InputBatch, req_ids: list[str], cap: int) -> tuple[list[np.ndarray], list[int]]:
         """Per request: its tokens so far (a view of the persistent batch) and its draft budget (``cap``, never past

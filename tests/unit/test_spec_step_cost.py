@@ -257,6 +257,9 @@ class _FixedDrafts:
     def update_requests(self, req_ids, new_token_ids) -> None:
         pass
 
+    def draft_evidence(self):
+        return None  # no scores of its own: the gate uses the position statistics
+
     def propose(self, req_ids, token_ids, max_num_tokens):
         self.asked.append(list(max_num_tokens))
         width = max(max_num_tokens)
