@@ -42,8 +42,9 @@ Where the gate's model of a compute-bound step is off by a few percent (16 reque
 0.8-0.9 barely break even there) the arbiter turns speculation off, and with it most of the per-step bookkeeping.
 Measured on the bench workloads (SmolLM2, 2 cores, 8 rounds, same run): at 16 concurrent requests 0.974x / 0.968x
 (repetitive / non-repetitive) with it against 0.931x / 0.958x without; at 8, 1.07x / 1.005x against 1.08x / 0.98x;
-at 1 its price shows: 2.12-2.24x against 2.26-2.28x on repetitive text (the first steps of each response run
-speculation at about plain speed, and its plain windows follow those dips).
+at 1 its price showed: 2.12-2.24x against 2.26-2.28x on repetitive text (the first steps of each response run
+speculation at about plain speed, and its plain windows follow those dips), so the runner no longer consults it where
+the step-cost model shows a memory-bound step (``ARBITER_MIN_TOKEN_SHARE`` in :mod:`ascent.worker.spec_decode`).
 """
 
 from __future__ import annotations
