@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -44,8 +45,9 @@ class DraftEvidence:
             raise ValueError(f"cond_prob shape {self.cond_prob.shape} and support shape {self.support.shape} are "
                              "invalid: need equal 1-D shapes")
 
+    @cached_property
     def cells(self) -> np.ndarray:
-        """int64 ``[n]``: each token's calibration cell."""
+        """int64 ``[n]``: each token's calibration cell (computed once)."""
         ratio = np.searchsorted(RATIO_EDGES, np.clip(self.cond_prob, 0.0, 1.0), side="right")
         support = np.searchsorted(SUPPORT_EDGES, self.support, side="right")
         return ratio * (len(SUPPORT_EDGES) + 1) + support
@@ -78,7 +80,7 @@ class DraftCalibration:
         for row, ev in enumerate(evidence):
             if ev is not None:
                 n = min(len(ev.cond_prob), out.shape[1])
-                out[row, :n] = table[ev.cells()[:n]]
+                out[row, :n] = table[ev.cells[:n]]
         return out
 
     def table(self) -> np.ndarray:
@@ -106,21 +108,25 @@ class DraftCalibration:
         if evidence is None or num_kept <= 0:
             self._pending.pop(req_id, None)
         else:
-            self._pending[req_id] = evidence.cells()[:num_kept]
+            self._pending[req_id] = evidence.cells[:num_kept]
 
     def record(self, req_ids: Sequence[str], num_drafts: Sequence[int], num_accepted: Sequence[int]) -> None:
         """Verification outcomes: request ``i``'s first ``num_accepted[i]`` of ``num_drafts[i]`` drafts accepted.
         Only the positions actually tried count (up to the first rejection); requests without remembered
-        evidence are skipped."""
+        evidence are skipped. The counts decay once per call, by one half-life step per booked request."""
+        tried_cells, accepted_cells = [], []
         for req_id, drafts, accepted in zip(req_ids, num_drafts, num_accepted):
             cells = self._pending.pop(req_id, None)
             if cells is None:
                 continue
             tried = min(int(accepted) + 1, int(drafts), len(cells))
-            self._tried *= self._decay
-            self._accepted *= self._decay
-            np.add.at(self._tried, cells[:tried], 1.0)
-            np.add.at(self._accepted, cells[:min(int(accepted), tried)], 1.0)
+            tried_cells.append(cells[:tried])
+            accepted_cells.append(cells[:min(int(accepted), tried)])
+        if not tried_cells:
+            return
+        scale = self._decay ** len(tried_cells)
+        self._tried = self._tried * scale + np.bincount(np.concatenate(tried_cells), minlength=NUM_CELLS)
+        self._accepted = self._accepted * scale + np.bincount(np.concatenate(accepted_cells), minlength=NUM_CELLS)
 
     def rates(self) -> np.ndarray:
         """float64 ``[NUM_CELLS]``: each cell's plain acceptance rate so far (NaN where nothing was tried)."""

@@ -28,8 +28,8 @@ def test_cells_follow_the_bin_edges():
                    [1, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 500])
     ratio_bins = [0, 0, 1, 1, 2, 2, 3, 3, 3, 3, 3, 3]
     support_bins = [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
-    assert ev.cells().tolist() == [r * NUM_SUPPORT + s for r, s in zip(ratio_bins, support_bins)]
-    assert int(ev.cells().max()) < NUM_CELLS
+    assert ev.cells.tolist() == [r * NUM_SUPPORT + s for r, s in zip(ratio_bins, support_bins)]
+    assert int(ev.cells.max()) < NUM_CELLS
     with pytest.raises(ValueError, match="shape"):
         DraftEvidence(np.ones(3), np.ones(2, dtype=np.int64))
 
@@ -168,7 +168,7 @@ def test_runner_gates_each_draft_by_its_calibrated_evidence():
                             token_ids=np.ones((2, 128), dtype=np.int64), num_tokens=np.full(2, 10))
     out = runner.propose(batch, ids, [[], []])
     assert out == {"sure": list(range(1, k + 1))}
-    assert runner.calibration._pending["sure"].tolist() == sure.cells().tolist()
+    assert runner.calibration._pending["sure"].tolist() == sure.cells.tolist()
     assert "doubtful" not in runner.calibration._pending
     runner.remove_request("sure")
     assert runner.calibration._pending == {}
