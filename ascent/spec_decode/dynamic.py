@@ -33,7 +33,10 @@ output), and only when the step's drafts together also pay the fixed cost ``c`` 
 (:func:`~ascent.spec_decode.step_cost.cost_cut`); probes of idle requests are batched into the same step. For
 model-free proposers (suffix, n-gram) the runner drafts first and the gate cuts the drafts made, in place of the
 scheduler's shared budget (which still applies to model drafters and with ``cost_gate: false``). Memory-bound steps
-(batch 1) keep nearly every draft, compute-bound ones (large batches on few cores) only the likely ones.
+(batch 1) keep nearly every draft, compute-bound ones (large batches on few cores) only the likely ones. For a
+proposer that scores its own drafts (suffix decoding) the survival is each draft's own, from
+:class:`~ascent.spec_decode.calibration.DraftCalibration` (``calibrate_drafts``, default on), instead of the request's
+per-position curve.
 
 Goodput arbiter (``goodput_arbiter``, default on): a safety net over all of the above, which are models. The runner
 measures output tokens per second of decode steps with speculation and of interleaved windows without it, per
