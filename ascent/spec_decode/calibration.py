@@ -69,6 +69,7 @@ class DraftCalibration:
         self._tried = np.zeros(NUM_CELLS)
         self._accepted = np.zeros(NUM_CELLS)
         self._pending: dict[str, np.ndarray] = {}  # per request, the cells of its kept (to be verified) drafts
+        self._table: np.ndarray | None = None  # table() of the current counts (None: to recompute)
 
     def estimate(self, evidence: Sequence[DraftEvidence | None], fallback: np.ndarray) -> np.ndarray:
         """``fallback`` float64 ``[B, D]`` (the position estimates) -> a copy with each row's first ``n`` columns
@@ -90,6 +91,8 @@ class DraftCalibration:
         let be tried (long matches cut at deep positions) inherits its neighbour's rate instead of staying at a
         pessimistic guess; then adjacent cells that violate the order are pooled, weighted by their counts
         (pool-adjacent-violators), so a sparse cell cannot pin its neighbours."""
+        if self._table is not None:
+            return self._table
         s = self.prior_strength
         shape = (len(RATIO_EDGES) + 1, len(SUPPORT_EDGES) + 1)
         accepted, tried = self._accepted.reshape(shape), self._tried.reshape(shape)
@@ -101,6 +104,8 @@ class DraftCalibration:
                 prior = (accepted[r, j] + s * prior) / (tried[r, j] + s)
                 estimates.append(prior)
             table[r] = non_decreasing(np.array(estimates), tried[r] + s)
+        table.flags.writeable = False
+        self._table = table
         return table
 
     def remember(self, req_id: str, evidence: DraftEvidence | None, num_kept: int) -> None:
@@ -127,6 +132,7 @@ class DraftCalibration:
         scale = self._decay ** len(tried_cells)
         self._tried = self._tried * scale + np.bincount(np.concatenate(tried_cells), minlength=NUM_CELLS)
         self._accepted = self._accepted * scale + np.bincount(np.concatenate(accepted_cells), minlength=NUM_CELLS)
+        self._table = None
 
     def rates(self) -> np.ndarray:
         """float64 ``[NUM_CELLS]``: each cell's plain acceptance rate so far (NaN where nothing was tried)."""

@@ -175,3 +175,14 @@ def test_runner_gates_each_draft_by_its_calibrated_evidence():
     no_cal = SpecDecodeRunner(SpeculativeConfig(method="suffix", num_speculative_tokens=k, dynamic=True,
                                                 dynamic_params={"calibrate_drafts": False}), 128, "host", None)
     assert no_cal.calibration is None
+
+
+def test_table_is_recomputed_after_each_booking():
+    cal = DraftCalibration()
+    ev = _evidence([1.0], [8])
+    before = cal.table().copy()
+    assert cal.table() is cal.table()  # cached while the counts stand
+    cal.remember("a", ev, 1)
+    cal.record(["a"], [1], [0])
+    after = cal.table()
+    assert after[3, 3] < before[3, 3] and not after.flags.writeable
