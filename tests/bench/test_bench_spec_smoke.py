@@ -184,7 +184,9 @@ def test_spec_bench_rounds_concurrency_and_draft_model(tiny_llama_dir: str) -> N
     args = _parse(["bench", "spec", "--model", tiny_llama_dir, "--dtype", "float32",
                    "--methods", "draft_model,suffix+dynamic", "--draft-num-layers", "2", "--max-concurrency", "1",
                    "--rounds", "2", "--num-speculative-tokens", str(K), "--num-prompts", "2", "--output-len", "8",
-                   "--ignore-eos", "--num-threads", "1", "--dynamic-params", '{"goodput_arbiter": true}'])
+                   "--ignore-eos", "--num-threads", "1",
+                   # without the cost model the arbiter decides every step (with it, not batch 1's memory-bound ones)
+                   "--dynamic-params", '{"goodput_arbiter": true, "cost_gate": false}'])
     data = args.func(args)
     assert data["config"]["rounds"] == 2 and data["config"]["max_concurrency"] == 1
     for work in data["workloads"].values():
