@@ -22,11 +22,11 @@ yields one sample ``(tokens, seconds, carried drafts)`` for the step-cost model 
 where ``seconds`` runs from its start to the next step's start (so scheduler, proposer and output processing count), or
 is its own execution time when the engine idled in between. With the arbiter on, it decides at each proposal whether the
 next step speculates, except at batch sizes whose step-cost model (once ready) shows a plain step spending under
-``ARBITER_MIN_TOKEN_SHARE`` of its time on its tokens ``b B / (a + b B)``: there (batch 1-2 on 2 cores) drafts cost
-little next to the weight stream, the gate's cut is robust to errors in ``b``, and the arbiter's plain windows only
-cost. Measured on the bench workloads at batch 1 (SmolLM2, 2 cores, AVX2, one process, 3 rounds): a third of the steps
-had run plain; without them 4 % fewer steps for the same tokens, 1.64x / 1.21x (repetitive / non-repetitive) against no
-speculation.
+``ARBITER_MIN_TOKEN_SHARE`` of its time on its tokens ``b B / (a + b B)``: there (batch 1-2 on 2 cores) a draft costs
+little next to the weight stream, speculation that the gate lets through rarely loses, and the arbiter's plain windows
+only cost. Measured on the bench workloads at batch 1 (SmolLM2, 2 cores, AVX2, one process, 3 rounds): with the
+arbiter a third of the steps had run plain; without it the same tokens took 4 % fewer steps, at 1.64x / 1.21x
+(repetitive / non-repetitive) against no speculation.
 """
 
 from __future__ import annotations
