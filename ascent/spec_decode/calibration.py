@@ -13,8 +13,8 @@ the match length plus its position) to a cell of a small table (``RATIO_EDGES`` 
 cell's acceptance rate online from verification outcomes: ``p = (accepted + s * prior) / (tried + s)``, the prior
 of strength ``s`` being the cell with the next shorter support, made non-decreasing in support
 (:meth:`DraftCalibration.table`), with counts halving every ``half_life`` verifications so the table follows the
-traffic. The gate then multiplies these into
-each draft's own survival.
+traffic. The gate then multiplies these into each draft's own survival. Same bench afterwards (two runs): dynamic
+1.66x / 1.57x against plain suffix's 1.59x / 1.55x, acceptance length 3.18 against 2.84.
 """
 
 from __future__ import annotations
