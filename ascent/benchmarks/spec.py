@@ -40,6 +40,7 @@ import numpy as np
 
 from ascent.benchmarks.common import Timer, collect_env, dtype_name, pin_threads, safe_ratio, write_json
 from ascent.benchmarks.datasets import BenchRequest, length_summary
+from ascent.benchmarks.spec_ceiling import bench_batch_size, first_ceiling, format_ceiling, runner_spec
 from ascent.benchmarks.spec_workloads import (WORKLOADS, build_workloads, non_repetitive_conversations,
                                               repetitive_conversations)
 
@@ -107,9 +108,7 @@ def spec_counts(llm: Any) -> SpecCounts:
 def _arbiter_steps(llm: Any) -> tuple[int, int]:
     """The in-process runner's goodput-arbiter step counts ``(speculative, plain)``; zeros when there is none (no
     dynamic speculation, or workers in other processes)."""
-    worker = getattr(llm.llm_engine.engine_core, "worker", None)
-    spec = getattr(getattr(worker, "model_runner", None), "spec", None)
-    arbiter = getattr(spec, "arbiter", None)
+    arbiter = getattr(runner_spec(llm), "arbiter", None)
     return (int(arbiter.num_steps[0]), int(arbiter.num_steps[1])) if arbiter is not None else (0, 0)
 
 
@@ -316,10 +315,12 @@ def run_spec(args: argparse.Namespace) -> dict[str, Any]:
     engines, startup = build_engines(args, max_model_len, configs, warmup)
     try:
         measured = run_rounds(args, engines, rounds)
+        ceiling = first_ceiling(engines, bench_batch_size(args))
     finally:
         engines.clear()
         gc.collect()
     result = assemble_result(args, model_config, methods, rounds, measured, startup, threads)
+    result["speculation_ceiling"] = {"method": ceiling[0], **ceiling[1]} if ceiling else None
     if args.output_json:
         write_json(args.output_json, result)
     print(format_summary(result))
@@ -441,6 +442,9 @@ def format_summary(result: dict[str, Any]) -> str:
                          f"output tok/s  x{_fmt(r['speedup_vs_no_spec'])} vs no spec (CPU time "
                          f"x{_fmt(r.get('speedup_cpu_time'))})  outputs equal: "
                          f"{_equality(r)}{_arbiter_share(r)}")
+    ceiling = result.get("speculation_ceiling")
+    if ceiling:
+        lines.append(format_ceiling(ceiling["method"], ceiling))
     if result["env"]["load_warning"]:
         lines.append(f"  WARNING: 1-minute load {result['env']['loadavg'][0]:.2f} exceeds half the cores; "
                      "timings are unreliable")

@@ -64,6 +64,7 @@ def test_spec_bench_json_schema(spec_result: tuple[dict, dict]) -> None:
     assert set(data["workloads"]) == {"repetitive", "non_repetitive"}
     assert set(data["startup"]) == {"none", "ngram", "suffix"}
     assert data["env"]["num_threads"] == 1 and data["config"]["ignore_eos"] is True
+    assert data["speculation_ceiling"] is None  # no cost-gated (dynamic) method ran
     assert data["config"]["speculative_configs"]["ngram"]["prompt_lookup_max"] == 3
     assert returned["workloads"]["repetitive"]["no_spec"]["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
     for work in data["workloads"].values():
