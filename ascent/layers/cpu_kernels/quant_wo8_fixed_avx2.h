@@ -7,14 +7,19 @@
 // FMA against fp32 x. Here each token's x row becomes x^ = nearbyint(x / step), step = 2^e the power of two that puts
 // max |x| just under 2^15 (a value rounding to 2^15 is clamped to 2^15 - 1); per 32 weights 2 sign-extending loads,
 // 2 VPMADDWD (x^ from L1) and 2 adds give exact int32 sums, flushed to fp32 (convert, times the group's scale) at
-// every scale group and at least every 512 columns. y = step * sum_g s_g (x^_g . q_g); zero points stay with
+// every scale group and at least every kWo8FixedFlush columns. y = step * sum_g s_g (x^_g . q_g); zero points stay with
 // weight_only_linear's epilogue. x^ is exact for every bf16 element down to 2^-7 of the row maximum; smaller ones are
 // rounded to the step, as the VNNI kernels do. Rows with a NaN / inf fall back to the floating-point kernel (prepare
 // returns false).
 #pragma once
 
 constexpr int64_t kWo8FixedMaxM = 4;      // tokens per pass over a weight row
-constexpr int64_t kWo8FixedFlush = 512;   // columns summed in int32 before a flush
+// Columns an ungrouped (per-channel) row sums in int32 before a flush: a lane of the flushed vector then holds 2048 / 8
+// products of |q x^| <= 128 * 32767 < 2^22, under 2^30. One span covers a whole row of K <= 2048: with 512, a K = 576
+// row ran a second, 64-column span with its own set-up and flush, and the per-channel W8A16 lm_head (K = 576) ran
+// 13-31 % slower than W8A8's single-span int8 rows on the same weights; with 2048, 0-8 % (Zen 2, 2 threads, alternating
+// processes).
+constexpr int64_t kWo8FixedFlush = 2048;
 
 struct Wo8FixedArgs {
   const int8_t* w;      // [N, ldw] int8 weights, K columns used
