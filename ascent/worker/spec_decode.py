@@ -104,7 +104,6 @@ class SpecDecodeRunner:
         self.clock: Callable[[], float] = time.perf_counter  # injectable (tests)
         self._step_done: StepRecord | None = None  # the previous decode-only step, closed by the next one's start
         self._next_mode: tuple[int, bool] | None = None  # (num_reqs, speculate) the arbiter chose for the next step
-        self.arbiter_min_token_share = ARBITER_MIN_TOKEN_SHARE
         self.last_draft_lengths: dict[str, int] = {}  # per request, the drafts of the latest proposal (after gating)
 
     def load_model(self, target_model: torch.nn.Module, engine_config: EngineConfig | None = None) -> None:
@@ -269,7 +268,7 @@ class SpecDecodeRunner:
             return True
         a, b, _ = model.coefficients()
         plain = a + b * num_reqs
-        return plain <= 0 or b * num_reqs / plain >= self.arbiter_min_token_share
+        return plain <= 0 or b * num_reqs / plain >= ARBITER_MIN_TOKEN_SHARE
 
     def _plan_then_draft(self, batch: InputBatch, req_ids: list[str], cap: int) -> list[list[int]]:
         """Draft lengths planned first (the scheduler's shared budget, then the gate), then drafting."""
