@@ -44,6 +44,8 @@ namespace {
 
 constexpr int64_t kRowBlock = 4;     // weight rows sharing one x chunk load
 constexpr int64_t kRowGrain = 64;    // rows per parallel chunk (at least)
+constexpr int64_t kSpanRows = 64;     // AVX2 int4 row kernel: weight rows per call (a call per row block
+                                     // cost ~4 ns per 576-column row in the return's vzeroupper and the set-up)
 constexpr int64_t kPrefetchRows = 16;  // software prefetch distance in weight rows (past the end is harmless)
 constexpr int64_t kMaxK = 1 << 16;   // int32 accumulators of the u8 x s8 products cannot overflow below this
 int g_force_generic = 0;             // tests: 1 = portable path only, 2 = at most AVX2 (set_force_generic)
@@ -175,19 +177,7 @@ void parallel_rows(int64_t n, const Body& body) {
   });
 }
 
-// Writes y (fp32) to out[m, n] in out's dtype (one rounding, nearest-even as torch's casts).
-struct Store {
-  void* base;
-  at::ScalarType dtype;
-  int64_t ld;
-  void operator()(int64_t m, int64_t n, float y) const {
-    switch (dtype) {
-      case at::kFloat: static_cast<float*>(base)[m * ld + n] = y; break;
-      case at::kBFloat16: static_cast<c10::BFloat16*>(base)[m * ld + n] = c10::BFloat16(y); break;
-      default: static_cast<c10::Half*>(base)[m * ld + n] = c10::Half(y); break;
-    }
-  }
-};
+#include "quant_store.h"
 
 #include "quant_wo_blocks.h"
 #include "quant_wo_bf16.h"
@@ -213,6 +203,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
   const bool vnni = wo_vnni_applies(x, int4, groups, k / groups) &&
                     (int4 ? wo_vnni_prepare<4>(x, k, groups, v, scratch_v)
                           : wo_vnni_prepare<8>(x, k, groups, v, scratch_v));
+  if (vnni && !use_vnni()) wo_fixed_select_avx2(v);
   const bool bf16 = !vnni && wo_bf16_applies(x, int4, groups, k / groups);
   const bool fma8 = !int4 && !vnni && !bf16 && wo8_fma_applies(x, groups, k / groups);
   thread_local Wo8FixedScratch scratch_8;  // the workers read it during this call only
@@ -243,10 +234,11 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
   auto out = at::empty({m_rows, n_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const Store store{out.data_ptr(), out.scalar_type(), n_out};
   const int64_t m_step = vnni ? kVnniMaxM : (bf16 || fma8 ? kBf16MaxM : (fixed8 ? kWo8FixedMaxM : 2));
+  const int64_t span = vnni && !use_vnni() ? kSpanRows : kRowBlock;  // rows per kernel call
   parallel_rows(n_out, [&](int64_t begin, int64_t end) {
-    float acc[kBf16MaxM * kRowBlock];
-    for (int64_t n = begin; n < end; n += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, end - n);
+    float acc[std::max(kBf16MaxM * kRowBlock, kVnniMaxM * kSpanRows)];
+    for (int64_t n = begin; n < end; n += span) {
+      const int64_t rows = std::min(span, end - n);
       for (int64_t m0 = 0; m0 < m_rows; m0 += m_step) {
         const int64_t mb = std::min(m_step, m_rows - m0);
         if (vnni) wo_vnni_block(v, int4, n, rows, m0, mb, acc);
@@ -254,15 +246,16 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
         else if (fma8) wo8_fma_block(f, n, rows, m0, mb, acc);
         else if (fixed8) wo8_fixed_block_avx2(f8, n, rows, m0, mb, acc);
         else wo_block(a, int4, n, rows, m0, mb, acc);
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t r = 0; r < rows; ++r) {
-            float y = acc[m * rows + r];
+        for (int64_t m = 0; m < mb; ++m) {
+          float* y = acc + m * rows;
+          for (int64_t r = 0; r < rows && ((has_zero && !zero_folded) || !bv.empty()); ++r) {
             if (has_zero && !zero_folded)
               for (int64_t g = 0; g < groups; ++g)
-                y -= zp[(n + r) * groups + g] * a.scale[(n + r) * groups + g] * xsum[(m0 + m) * groups + g];
-            if (!bv.empty()) y += bv[n + r];
-            store(m0 + m, n + r, y);
+                y[r] -= zp[(n + r) * groups + g] * a.scale[(n + r) * groups + g] * xsum[(m0 + m) * groups + g];
+            if (!bv.empty()) y[r] += bv[n + r];
           }
+          store.row(m0 + m, n, rows, y);
+        }
       }
     }
   });

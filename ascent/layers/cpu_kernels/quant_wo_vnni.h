@@ -37,6 +37,10 @@ struct VnniGeometry {
   static constexpr int64_t slot(int64_t within) { return kBits == 4 ? (within & 1) * 64 + within / 2 : within; }
 };
 
+struct WoVnniArgs;
+using WoVnniFn = void (*)(const WoVnniArgs&, int64_t, int64_t, float*);
+using WoFixedSpanFn = void (*)(const WoVnniArgs&, int64_t, int64_t, int64_t, int64_t, float*);  // quant_wo_fixed_avx2.h
+
 // Per-call operands: prepared x rows and the per-chunk scale lookup.
 struct WoVnniArgs {
   const uint8_t* w;      // weight rows [N, ldw]: packed nibbles (int4) or int8 values
@@ -51,6 +55,8 @@ struct WoVnniArgs {
   const int64_t* first_group;  // [nblocks]
   const float* zero;           // [N, G] subtractive zero points folded in by the AVX2 int4 kernel, or null
   const float* group_sum;      // with zero: [M, G] sum of x^ over each group (wo_vnni_prepare)
+  int64_t group_halves = 0;    // AVX2 int4, grouped: 64-column halves per group when whole (gs % 64 == 0), else 0
+  WoFixedSpanFn span_fn[2] = {nullptr, nullptr};  // AVX2 int4: the whole-block kernel for 1 / 2 x rows (per call)
 };
 
 struct WoVnniScratch {
@@ -218,6 +224,7 @@ bool wo_vnni_prepare(const at::Tensor& x, int64_t k, int64_t groups, WoVnniArgs&
       }
     a.group_sum = s.group_sum.data();
   }
+  a.group_halves = groups > 1 && gs % 64 == 0 ? gs / 64 : 0;
   a.xb = s.xb.data();
   a.corr = s.corr.data();
   a.step = s.step.data();
@@ -288,8 +295,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_vnni_row
       acc[m * R + r] = kGrouped ? sum : sum * a.scale[n + r];
     }
 }
-
-using WoVnniFn = void (*)(const WoVnniArgs&, int64_t, int64_t, float*);
 
 template <int kBits, int R>
 WoVnniFn wo_vnni_fn(bool grouped, int64_t mb) {
