@@ -235,10 +235,25 @@ ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void wo_fixed_rows64_
   wo_fixed_finish<R, MB, kGrouped, kZero>(a, n, m0, y, acc);
 }
 
-template <int R, bool kZero>
-WoVnniFn wo_fixed_fn_avx2(bool grouped, int64_t mb) {
-  if (mb == 1) return grouped ? wo_fixed_rows_avx2<R, 1, true, kZero> : wo_fixed_rows_avx2<R, 1, false, kZero>;
-  return grouped ? wo_fixed_rows_avx2<R, 2, true, kZero> : wo_fixed_rows_avx2<R, 2, false, kZero>;
+// Whether wo_fixed_rows64_avx2 serves these rows (else wo_fixed_rows_avx2, whose lane lookup wo_vnni_prepare then
+// fills).
+bool wo_fixed_whole(const WoVnniArgs& a) { return a.ldw % 32 == 0 && (a.groups == 1 || a.group_halves > 0); }
+
+template <bool kZero, bool kWhole>
+WoVnniFn wo_fixed_row_fn(bool grouped, int64_t mb) {
+  if constexpr (kWhole) {
+    if (mb == 1) return grouped ? wo_fixed_rows64_avx2<1, 1, true, kZero> : wo_fixed_rows64_avx2<1, 1, false, kZero>;
+    return grouped ? wo_fixed_rows64_avx2<1, 2, true, kZero> : wo_fixed_rows64_avx2<1, 2, false, kZero>;
+  }
+  if (mb == 1) return grouped ? wo_fixed_rows_avx2<1, 1, true, kZero> : wo_fixed_rows_avx2<1, 1, false, kZero>;
+  return grouped ? wo_fixed_rows_avx2<1, 2, true, kZero> : wo_fixed_rows_avx2<1, 2, false, kZero>;
+}
+
+// The kernel of one weight row (a row block's tail).
+WoVnniFn wo_fixed_row_fn(const WoVnniArgs& a, int64_t mb) {
+  const bool grouped = a.groups > 1;
+  if (wo_fixed_whole(a)) return a.zero ? wo_fixed_row_fn<true, true>(grouped, mb) : wo_fixed_row_fn<false, true>(grouped, mb);
+  return a.zero ? wo_fixed_row_fn<true, false>(grouped, mb) : wo_fixed_row_fn<false, false>(grouped, mb);
 }
 
 // `blocks` whole row blocks from weight row n in one call: acc[m * ld + i] for row n + i. (A call per block of 4
@@ -264,8 +279,7 @@ WoFixedSpanFn wo_fixed_span_fn(bool grouped) {
 template <int MB>
 WoFixedSpanFn wo_fixed_span_fn(const WoVnniArgs& a) {
   const bool grouped = a.groups > 1;
-  const bool whole = a.ldw % 32 == 0 && (!grouped || a.group_halves > 0);  // wo_fixed_rows64_avx2's rows
-  if (whole) return a.zero ? wo_fixed_span_fn<MB, true, true>(grouped) : wo_fixed_span_fn<MB, false, true>(grouped);
+  if (wo_fixed_whole(a)) return a.zero ? wo_fixed_span_fn<MB, true, true>(grouped) : wo_fixed_span_fn<MB, false, true>(grouped);
   return a.zero ? wo_fixed_span_fn<MB, true, false>(grouped) : wo_fixed_span_fn<MB, false, false>(grouped);
 }
 
@@ -284,10 +298,11 @@ void wo_fixed_block_avx2(const WoVnniArgs& a, int64_t n, int64_t rows, int64_t m
                                                                                  : wo_fixed_span_fn<2>(a));
     span(a, n, blocks, rows, m0, acc);
   }
-  const bool grouped = a.groups > 1;
+  if (blocks * kRowBlock == rows) return;
+  const WoVnniFn one_row = wo_fixed_row_fn(a, mb);
   for (int64_t r = blocks * kRowBlock; r < rows; ++r) {  // tail rows one at a time
     float one[kVnniMaxM];
-    (a.zero ? wo_fixed_fn_avx2<1, true>(grouped, mb) : wo_fixed_fn_avx2<1, false>(grouped, mb))(a, n + r, m0, one);
+    one_row(a, n + r, m0, one);
     for (int64_t m = 0; m < mb; ++m) acc[m * rows + r] = one[m];
   }
 }

@@ -208,7 +208,10 @@ bool wo_vnni_prepare(const at::Tensor& x, int64_t k, int64_t groups, WoVnniArgs&
   s.lane_group.assign(static_cast<size_t>(nb * 16), 0);
   s.first_group.assign(static_cast<size_t>(nb), 0);
   const int64_t gs = k / groups;
-  for (int64_t b = 0, g = 0; b < nb && groups > 1; ++b) {  // group of column c: a counter (no divisions per call)
+  // (the AVX2 kernel of whole 64-column halves, wo_fixed_whole, counts groups itself: no lookup unless zero points
+  // need group sums)
+  const bool lookup = groups > 1 && !(avx2 && gs % 64 == 0 && a.zero == nullptr);
+  for (int64_t b = 0, g = 0; b < nb && lookup; ++b) {  // group of column c: a counter (no divisions per call)
     for (int64_t l = 0; l < 16; ++l) {
       while (g + 1 < groups && (g + 1) * gs <= b * G::kCols + G::kLaneCols * l) ++g;
       if (l == 0) s.first_group[b] = g;
