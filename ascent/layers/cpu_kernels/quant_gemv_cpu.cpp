@@ -44,7 +44,7 @@ namespace {
 
 constexpr int64_t kRowBlock = 4;     // weight rows sharing one x chunk load
 constexpr int64_t kRowGrain = 64;    // rows per parallel chunk (at least)
-constexpr int64_t kSpanRows = 64;     // AVX2 int4 row kernel: weight rows per call (a call per row block
+constexpr int64_t kSpanRows = 64;     // AVX2 int4 / int8 row kernels: weight rows per call (a call per row block
                                      // cost ~4 ns per 576-column row in the return's vzeroupper and the set-up)
 constexpr int64_t kPrefetchRows = 16;  // software prefetch distance in weight rows (past the end is harmless)
 constexpr int64_t kMaxK = 1 << 16;   // int32 accumulators of the u8 x s8 products cannot overflow below this

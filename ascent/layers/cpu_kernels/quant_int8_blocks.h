@@ -93,15 +93,19 @@ at::Tensor int8_linear(const at::Tensor& x, const std::vector<uint8_t>& xq, int6
   }
   auto out = at::empty({m_rows, n_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const Store store{out.data_ptr(), out.scalar_type(), n_out};
+  const int64_t span = a.x16 != nullptr ? kSpanRows : kRowBlock;  // rows per kernel call
   parallel_rows(n_out, [&](int64_t begin, int64_t end) {
-    int32_t acc[4 * kRowBlock];
-    for (int64_t n = begin; n < end; n += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, end - n);
+    int32_t acc[4 * std::max(kRowBlock, kSpanRows)];
+    for (int64_t n = begin; n < end; n += span) {
+      const int64_t rows = std::min(span, end - n);
       for (int64_t m0 = 0; m0 < m_rows; m0 += 4) {
         const int64_t mb = std::min<int64_t>(4, m_rows - m0);
         i8_block(a, vnni, row_sum, n, rows, m0, mb, acc);
-        for (int64_t m = 0; m < mb; ++m)
-          for (int64_t r = 0; r < rows; ++r) store(m0 + m, n + r, epi(m0 + m, n + r, acc[m * rows + r]));
+        for (int64_t m = 0; m < mb; ++m) {
+          float y[std::max(kRowBlock, kSpanRows)];
+          for (int64_t r = 0; r < rows; ++r) y[r] = epi(m0 + m, n + r, acc[m * rows + r]);
+          store.row(m0 + m, n, rows, y);
+        }
       }
     }
   });

@@ -1,0 +1,47 @@
+"""Row spans of the AVX2 W4A16 and W8A8 kernels (quant_gemv_cpu.cpp's ``kSpanRows``): one kernel call covers up to
+64 weight rows (W4A16 in whole blocks of 4, the tail rows one at a time) inside the row chunks the threads take, and
+the outputs are stored a span row at a time. Row counts that are no multiple of the span, the block or the chunk must
+land every output row where it belongs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascent.quantization import kernels
+from tests.unit.test_quant_gemv_kernels import (assert_close, isa_ops, operands,  # noqa: F401 (fixtures)
+                                                ops, ref_weight_only)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [3, 64, 131, 300, 1030])
+@pytest.mark.parametrize("k,groups", [(576, 9), (576, 1), (512, 16), (1536, 12), (200, 1)])
+def test_w4a16_rows_across_spans_and_chunks(isa_ops, threads, n, k, groups):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 3):
+            x, q, scale, zero, bias = operands(m, k, n, groups, 4, n * 13 + k + m, torch.bfloat16)
+            packed = isa_ops.w4a16_pack(q)
+            for z, b in ((None, None), (zero, bias)):
+                assert_close(isa_ops.w4a16_linear(x, packed, k, scale, z, b), ref_weight_only(x, q, scale, z, b))
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [3, 64, 131, 300, 1030])
+@pytest.mark.parametrize("k", [576, 100])
+def test_w8a8_dynamic_rows_across_spans_and_chunks(isa_ops, threads, n, k):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 5):
+            x, q, _, _, bias = operands(m, k, n, 1, 8, n * 7 + k + m, torch.bfloat16)
+            w_scale = torch.rand(n) * 0.01
+            row_sum = q.sum(1, dtype=torch.int32)
+            for b in (None, bias):
+                y = isa_ops.w8a8_dynamic_linear(x, q, row_sum, w_scale, b)
+                assert torch.equal(y, kernels.int8_linear_dynamic(x, q.t(), w_scale, b))
+    finally:
+        torch.set_num_threads(old)
