@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -46,10 +45,6 @@ class EngineCore:
                                    zero_new_blocks=profile.supports(HardwareCapability.COMPATIBILITY_OP_IMPLEMENTATIONS))
         self.timings = dict(self.executor.timings)
         self.eplb_stats = self._make_eplb_collector(config)
-        # Objects alive after start-up (the model's modules, tokenizer tables, ...) go to the collector's permanent
-        # generation, as vLLM's engine core does: the full collections that decoding's allocations trigger then walk
-        # only the objects made since (GC held ~2.6 % of the main thread in a batch-1 W4A16 decode profile).
-        gc.freeze()
 
     def _make_eplb_collector(self, config: EngineConfig) -> "EplbStatsCollector | None":
         """Poller of the workers' EPLB summaries (None when EPLB is off)."""
