@@ -35,8 +35,10 @@ struct Store {
   // out[m, n0 .. n0 + count) = y[0 .. count) (a bf16 output 8 values per step on AVX2: the per-value stores cost
   // ~2 ns per weight row of a batch-1 W4A16 call, a tenth of the row's kernel time).
   void row(int64_t m, int64_t n0, int64_t count, const float* y) const {
-    if (dtype == at::kBFloat16 && use_avx2())
-      return bf16_row_store_avx2(y, count, reinterpret_cast<uint16_t*>(static_cast<c10::BFloat16*>(base) + m * ld + n0));
+    if (dtype == at::kBFloat16 && use_avx2()) {
+      uint16_t* dst = reinterpret_cast<uint16_t*>(static_cast<c10::BFloat16*>(base) + m * ld + n0);
+      return bf16_row_store_avx2(y, count, dst);
+    }
     for (int64_t i = 0; i < count; ++i) (*this)(m, n0 + i, y[i]);
   }
 };

@@ -107,6 +107,37 @@ ASCENT_WO_FIXED_AVX2 inline __m256 lane_values(const float* v, int64_t group_a, 
   return _mm256_insertf128_ps(_mm256_set1_ps(v[group_a]), _mm_set1_ps(v[group_b]), 1);
 }
 
+// x^ (four word vectors) and the lanes' corrections of half hf for the MB x rows from m0 (wo_vnni_prepare's layout).
+template <int MB>
+ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void fixed_x_half(const WoVnniArgs& a, int64_t m0,
+                                                                            int64_t hf, __m256i (&xv)[MB][4],
+                                                                            __m256i (&c)[MB]) {
+  const int16_t* xw = reinterpret_cast<const int16_t*>(a.xb);
+  for (int m = 0; m < MB; ++m) {
+    const int64_t at = (m0 + m) * a.nblocks * 2 + hf;  // halves of the x rows before this one, plus hf
+    for (int j = 0; j < 4; ++j) xv[m][j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xw + at * 64 + 16 * j));
+    c[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.corr + at * 8));
+  }
+}
+
+// y[m] += s * t_m (kGrouped; else y[m] += t_m) with t_m = sum_j u_j . X_j + c[m] = sum q x^ over the half (exact)
+// for the 32 weight bytes v of one row.
+template <int MB, bool kGrouped>
+ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void fixed_accumulate(__m256i v, const __m256i (&xv)[MB][4],
+                                                                                const __m256i (&c)[MB], __m256 s,
+                                                                                __m256 (&y)[MB]) {
+  const __m256i nib = _mm256_set1_epi16(0x000F);
+  // word i of v: columns 4i .. 4i + 3, four bits each
+  const __m256i u[4] = {_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib),
+                        _mm256_and_si256(_mm256_srli_epi16(v, 8), nib), _mm256_srli_epi16(v, 12)};
+  for (int m = 0; m < MB; ++m) {
+    const __m256i t01 = _mm256_add_epi32(_mm256_madd_epi16(u[0], xv[m][0]), _mm256_madd_epi16(u[1], xv[m][1]));
+    const __m256i t23 = _mm256_add_epi32(_mm256_madd_epi16(u[2], xv[m][2]), _mm256_madd_epi16(u[3], xv[m][3]));
+    const __m256 t = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(t01, t23), c[m]));
+    y[m] = kGrouped ? _mm256_fmadd_ps(t, s, y[m]) : _mm256_add_ps(y[m], t);
+  }
+}
+
 // One 64-column half hf (32 bytes per weight row) of R weight rows against MB x rows: y[r][m] += s * t with
 // t = sum_j u_j . X_j + the lanes' corrections, s the lanes' scales (grouped) or 1. kTail: the row's last, partial
 // half (read through a zero-padded copy).
@@ -115,15 +146,9 @@ ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void fixed_half(const
                                                                           const float* const (&row_scale)[R],
                                                                           int64_t m0, int64_t hf,
                                                                           __m256 (&y)[R][MB]) {
-  const __m256i nib = _mm256_set1_epi16(0x000F);
-  const int16_t* xw = reinterpret_cast<const int16_t*>(a.xb);
   const int64_t off = 32 * hf;
   __m256i xv[MB][4], c[MB];
-  for (int m = 0; m < MB; ++m) {
-    const int64_t at = (m0 + m) * a.nblocks * 2 + hf;  // halves of the x rows before this one, plus hf
-    for (int j = 0; j < 4; ++j) xv[m][j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xw + at * 64 + 16 * j));
-    c[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.corr + at * 8));
-  }
+  fixed_x_half<MB>(a, m0, hf, xv, c);
   int64_t group_a = 0, group_b = 0;  // the groups of lanes 0-3 and 4-7
   if constexpr (kGrouped) {
     const int64_t b = hf / 2, lane = b * 16 + 8 * (hf % 2);
@@ -135,17 +160,9 @@ ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void fixed_half(const
     const uint8_t* p = w + r * a.ldw + off;
     _mm_prefetch(reinterpret_cast<const char*>(p + kWoAvx2PrefetchL2), _MM_HINT_T1);
     const __m256i v = kTail ? row_bytes32(p, a.ldw - off) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    // word i of v: columns 4i .. 4i + 3, four bits each
-    const __m256i u[4] = {_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi16(v, 4), nib),
-                          _mm256_and_si256(_mm256_srli_epi16(v, 8), nib), _mm256_srli_epi16(v, 12)};
     __m256 s = _mm256_setzero_ps();
     if constexpr (kGrouped) s = lane_values(row_scale[r], group_a, group_b);
-    for (int m = 0; m < MB; ++m) {
-      const __m256i t01 = _mm256_add_epi32(_mm256_madd_epi16(u[0], xv[m][0]), _mm256_madd_epi16(u[1], xv[m][1]));
-      const __m256i t23 = _mm256_add_epi32(_mm256_madd_epi16(u[2], xv[m][2]), _mm256_madd_epi16(u[3], xv[m][3]));
-      const __m256 t = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(t01, t23), c[m]));  // sum q x^, exact
-      y[r][m] = kGrouped ? _mm256_fmadd_ps(t, s, y[r][m]) : _mm256_add_ps(y[r][m], t);
-    }
+    fixed_accumulate<MB, kGrouped>(v, xv, c, s, y[r]);
   }
 }
 
@@ -179,7 +196,8 @@ ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void wo_fixed_finish(
 // wo_vnni_rows<4, R, MB, kGrouped> on AVX2: acc[m * R + r] = sum_g s[n + r, g] * (x_g . q_g - z[n + r, g] * sum(x_g))
 // (kZero; else without the zero term).
 template <int R, int MB, bool kGrouped, bool kZero>
-ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void wo_fixed_rows_avx2(const WoVnniArgs& a, int64_t n, int64_t m0, float* acc) {
+ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void wo_fixed_rows_avx2(const WoVnniArgs& a, int64_t n,
+                                                                                  int64_t m0, float* acc) {
   const uint8_t* w = a.w + n * a.ldw;
   const float* row_scale[R];
   __m256 y[R][MB];
@@ -198,13 +216,11 @@ ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void wo_fixed_rows_av
 // strides, one broadcast scale serves a row's half. Measured on a Zen 2 (1 thread, L2-resident, 576-column rows,
 // group 64): 31 ns per row for the general kernel (its per-half lane lookups and two-group selects) against 20 ns.
 template <int R, int MB, bool kGrouped, bool kZero>
-ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void wo_fixed_rows64_avx2(const WoVnniArgs& a, int64_t n, int64_t m0, float* acc) {
-  const __m256i nib = _mm256_set1_epi16(0x000F);
-  const int64_t halves = a.ldw / 32, x_halves = 2 * a.nblocks;
+ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void wo_fixed_rows64_avx2(const WoVnniArgs& a, int64_t n,
+                                                                                    int64_t m0, float* acc) {
+  const int64_t halves = a.ldw / 32;
   const int64_t per_group = kGrouped ? a.group_halves : halves;
   const uint8_t* w = a.w + n * a.ldw;
-  const int16_t* xw = reinterpret_cast<const int16_t*>(a.xb) + m0 * x_halves * 64;
-  const int32_t* corr = a.corr + m0 * x_halves * 8;
   const float* scale = a.scale + n * a.groups;
   __m256 y[R][MB];
   for (int r = 0; r < R; ++r)
@@ -212,25 +228,13 @@ ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void wo_fixed_rows64_
   int64_t g = 0, left = per_group;
   for (int64_t hf = 0; hf < halves; ++hf) {
     __m256i xv[MB][4], c[MB];
-    for (int m = 0; m < MB; ++m) {
-      const int16_t* xm = xw + (m * x_halves + hf) * 64;
-      for (int j = 0; j < 4; ++j) xv[m][j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 16 * j));
-      c[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + (m * x_halves + hf) * 8));
-    }
+    fixed_x_half<MB>(a, m0, hf, xv, c);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = w + r * a.ldw + 32 * hf;
       _mm_prefetch(reinterpret_cast<const char*>(p + kWoAvx2PrefetchL2), _MM_HINT_T1);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      const __m256i u0 = _mm256_and_si256(v, nib), u1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-      const __m256i u2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), nib), u3 = _mm256_srli_epi16(v, 12);
       const __m256 s = kGrouped ? _mm256_broadcast_ss(scale + r * a.groups + g) : _mm256_setzero_ps();
-      for (int m = 0; m < MB; ++m) {
-        const __m256i t01 = _mm256_add_epi32(_mm256_madd_epi16(u0, xv[m][0]), _mm256_madd_epi16(u1, xv[m][1]));
-        const __m256i t23 = _mm256_add_epi32(_mm256_madd_epi16(u2, xv[m][2]), _mm256_madd_epi16(u3, xv[m][3]));
-        const __m256 t = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_add_epi32(t01, t23), c[m]));
-        y[r][m] = kGrouped ? _mm256_fmadd_ps(t, s, y[r][m]) : _mm256_add_ps(y[r][m], t);
-      }
+      fixed_accumulate<MB, kGrouped>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), xv, c, s, y[r]);
     }
     if (kGrouped && --left == 0) {
       ++g;
@@ -257,7 +261,8 @@ WoVnniFn wo_fixed_row_fn(bool grouped, int64_t mb) {
 // The kernel of one weight row (a row block's tail).
 WoVnniFn wo_fixed_row_fn(const WoVnniArgs& a, int64_t mb) {
   const bool grouped = a.groups > 1;
-  if (wo_fixed_whole(a)) return a.zero ? wo_fixed_row_fn<true, true>(grouped, mb) : wo_fixed_row_fn<false, true>(grouped, mb);
+  if (wo_fixed_whole(a))
+    return a.zero ? wo_fixed_row_fn<true, true>(grouped, mb) : wo_fixed_row_fn<false, true>(grouped, mb);
   return a.zero ? wo_fixed_row_fn<true, false>(grouped, mb) : wo_fixed_row_fn<false, false>(grouped, mb);
 }
 
@@ -284,7 +289,8 @@ WoFixedSpanFn wo_fixed_span_fn(bool grouped) {
 template <int MB>
 WoFixedSpanFn wo_fixed_span_fn(const WoVnniArgs& a) {
   const bool grouped = a.groups > 1;
-  if (wo_fixed_whole(a)) return a.zero ? wo_fixed_span_fn<MB, true, true>(grouped) : wo_fixed_span_fn<MB, false, true>(grouped);
+  if (wo_fixed_whole(a))
+    return a.zero ? wo_fixed_span_fn<MB, true, true>(grouped) : wo_fixed_span_fn<MB, false, true>(grouped);
   return a.zero ? wo_fixed_span_fn<MB, true, false>(grouped) : wo_fixed_span_fn<MB, false, false>(grouped);
 }
 
