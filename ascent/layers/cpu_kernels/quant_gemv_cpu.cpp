@@ -203,7 +203,6 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
   const bool vnni = wo_vnni_applies(x, int4, groups, k / groups) &&
                     (int4 ? wo_vnni_prepare<4>(x, k, groups, v, scratch_v)
                           : wo_vnni_prepare<8>(x, k, groups, v, scratch_v));
-  if (vnni && !use_vnni()) wo_fixed_select_avx2(v);
   const bool bf16 = !vnni && wo_bf16_applies(x, int4, groups, k / groups);
   const bool fma8 = !int4 && !vnni && !bf16 && wo8_fma_applies(x, groups, k / groups);
   thread_local Wo8FixedScratch scratch_8;  // the workers read it during this call only

@@ -281,6 +281,8 @@ ASCENT_WO_FIXED_AVX2 void wo_fixed_span_avx2(const WoVnniArgs& a, int64_t n, int
   }
 }
 
+using WoFixedSpanFn = void (*)(const WoVnniArgs&, int64_t, int64_t, int64_t, int64_t, float*);
+
 template <int MB, bool kZero, bool kWhole>
 WoFixedSpanFn wo_fixed_span_fn(bool grouped) {
   return grouped ? wo_fixed_span_avx2<MB, true, kZero, kWhole> : wo_fixed_span_avx2<MB, false, kZero, kWhole>;
@@ -294,20 +296,12 @@ WoFixedSpanFn wo_fixed_span_fn(const WoVnniArgs& a) {
   return a.zero ? wo_fixed_span_fn<MB, true, false>(grouped) : wo_fixed_span_fn<MB, false, false>(grouped);
 }
 
-// Chooses the whole-block kernels of this call once (wo_fixed_block_avx2).
-void wo_fixed_select_avx2(WoVnniArgs& a) {
-  a.span_fn[0] = wo_fixed_span_fn<1>(a);
-  a.span_fn[1] = wo_fixed_span_fn<2>(a);
-}
-
 // wo_vnni_block for int4 on AVX2, any number of rows: acc [mb, rows] for weight rows [n, n + rows) and x rows
 // [m0, m0 + mb) (whole blocks in one span call, the tail rows one at a time).
 void wo_fixed_block_avx2(const WoVnniArgs& a, int64_t n, int64_t rows, int64_t m0, int64_t mb, float* acc) {
   const int64_t blocks = rows / kRowBlock;
   if (blocks > 0) {
-    const WoFixedSpanFn span = a.span_fn[mb - 1] ? a.span_fn[mb - 1] : (mb == 1 ? wo_fixed_span_fn<1>(a)
-                                                                                 : wo_fixed_span_fn<2>(a));
-    span(a, n, blocks, rows, m0, acc);
+    (mb == 1 ? wo_fixed_span_fn<1>(a) : wo_fixed_span_fn<2>(a))(a, n, blocks, rows, m0, acc);
   }
   if (blocks * kRowBlock == rows) return;
   const WoVnniFn one_row = wo_fixed_row_fn(a, mb);

@@ -39,7 +39,6 @@ struct VnniGeometry {
 
 struct WoVnniArgs;
 using WoVnniFn = void (*)(const WoVnniArgs&, int64_t, int64_t, float*);
-using WoFixedSpanFn = void (*)(const WoVnniArgs&, int64_t, int64_t, int64_t, int64_t, float*);  // quant_wo_fixed_avx2.h
 
 // Per-call operands: prepared x rows and the per-chunk scale lookup.
 struct WoVnniArgs {
@@ -56,7 +55,6 @@ struct WoVnniArgs {
   const float* zero;           // [N, G] subtractive zero points folded in by the AVX2 int4 kernel, or null
   const float* group_sum;      // with zero: [M, G] sum of x^ over each group (wo_vnni_prepare)
   int64_t group_halves = 0;    // AVX2 int4, grouped: 64-column halves per group when whole (gs % 64 == 0), else 0
-  WoFixedSpanFn span_fn[2] = {nullptr, nullptr};  // AVX2 int4: the whole-block kernel for 1 / 2 x rows (per call)
 };
 
 struct WoVnniScratch {
@@ -210,7 +208,8 @@ bool wo_vnni_prepare(const at::Tensor& x, int64_t k, int64_t groups, WoVnniArgs&
   const int64_t gs = k / groups;
   // (the AVX2 kernel of whole 64-column halves, wo_fixed_whole, counts groups itself: no lookup unless zero points
   // need group sums)
-  const bool lookup = groups > 1 && !(avx2 && gs % 64 == 0 && a.zero == nullptr);
+  a.group_halves = groups > 1 && gs % 64 == 0 ? gs / 64 : 0;
+  const bool lookup = groups > 1 && !(avx2 && a.group_halves > 0 && a.zero == nullptr);
   for (int64_t b = 0, g = 0; b < nb && lookup; ++b) {  // group of column c: a counter (no divisions per call)
     for (int64_t l = 0; l < 16; ++l) {
       while (g + 1 < groups && (g + 1) * gs <= b * G::kCols + G::kLaneCols * l) ++g;
@@ -227,7 +226,6 @@ bool wo_vnni_prepare(const at::Tensor& x, int64_t k, int64_t groups, WoVnniArgs&
       }
     a.group_sum = s.group_sum.data();
   }
-  a.group_halves = groups > 1 && gs % 64 == 0 ? gs / 64 : 0;
   a.xb = s.xb.data();
   a.corr = s.corr.data();
   a.step = s.step.data();
