@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ascent.layers.cpu_packing import pack_linear_weight, packed_linear
 from ascent.platform.ops_utils import symmetric_quant
 from ascent.quantization.packing import unpack_from_int32
-from ascent.quantization.wo_nv import NvLayout, int8_nv_applies, nv_applies, prepare_nv
+from ascent.quantization.wo_nv import NvLayout, int8_nv_applies, nv_applies, prepare_nv, w4_blocked_applies
 
 REFERENCE_ENV = "ASCENT_QUANT_REFERENCE"
 # Weight-only packed kernels vs the dequantize-once dense weight (bf16, oneDNN-packed), measured once on this
@@ -404,8 +404,9 @@ def int8_gemv_static(g: Int8Gemv, x: torch.Tensor, input_scale: float, input_off
 @dataclass
 class WeightOnlyGemv:
     """Operands of the weight-only small-M kernels: ``weight`` int8 [N, K] (bits 8) or nibble bytes uint8
-    [N, ceil(K/2)] (bits 4, ``w4a16_pack`` layout), ``scale`` fp32 [N, G], ``zero`` fp32 [N, G] or None; ``nv``
-    the row-interleaved layout (``wo_nv.py``) that 16-bit x takes when present."""
+    [N, ceil(K/2)] (bits 4, ``w4a16_pack`` layout, or with ``blocked`` the AVX2 blocked layout of
+    ``w4a16_block_pack``), ``scale`` fp32 [N, G], ``zero`` fp32 [N, G] or None; ``nv`` the row-interleaved layout
+    (``wo_nv.py``) that 16-bit x takes when present."""
 
     ops: ModuleType
     bits: int
@@ -414,6 +415,7 @@ class WeightOnlyGemv:
     scale: torch.Tensor
     zero: torch.Tensor | None
     nv: NvLayout | None = None
+    blocked: bool = False
 
     @property
     def max_m(self) -> int:
@@ -433,7 +435,7 @@ class WeightOnlyGemv:
             return STACK_KIND_W8A16_AMX, tensors + [amx.packed], [self.max_m]
         if self.bits == 8:
             return STACK_KIND_W8A16, tensors, []
-        return STACK_KIND_W4A16, tensors, [self.k]
+        return STACK_KIND_W4A16, tensors, [self.k, int(self.blocked)]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [..., K] @ ((q - zero) * scale)^T (+ bias)`` -> x's dtype ``[..., N]``."""
@@ -443,6 +445,8 @@ class WeightOnlyGemv:
                                          nv.zero_scale, bias)
         if self.bits == 8:
             return self.ops.w8a16_linear(x, self.weight, self.scale, self.zero, bias)
+        if self.blocked:  # (x that the blocked kernel does not serve runs on the rows, restored for the call)
+            return self.ops.w4a16_linear_blocked(x, self.weight, self.k, self.scale, self.zero, bias)
         return self.ops.w4a16_linear(x, self.weight, self.k, self.scale, self.zero, bias)
 
 
@@ -452,7 +456,8 @@ def prepare_wo_gemv(weight: torch.Tensor, bits: int, k: int, scale: torch.Tensor
     32 columns). ``weight``: int8 [N, K] values (bits 8) or already-packed nibble bytes uint8 [N, ceil(K/2)]
     (bits 4; int8 [N, K] values are packed here). ``dtype``: the model's dtype (a 16-bit one lets
     :func:`~ascent.quantization.wo_nv.nv_applies` add the row-interleaved layout; for int8 values a second copy,
-    made only with ``nv_copy``)."""
+    made only with ``nv_copy``; and int4 weights take the blocked layout where
+    :func:`~ascent.quantization.wo_nv.w4_blocked_applies`)."""
     ops = gemv_module(weight)
     groups = scale.shape[-1]
     if ops is None or (bits == 4 and groups > 1 and (k // groups) % 32):
@@ -465,5 +470,8 @@ def prepare_wo_gemv(weight: torch.Tensor, bits: int, k: int, scale: torch.Tensor
         nv = prepare_nv(ops, q, bits, scale, zero)
     if bits == 4 and weight.dtype == torch.int8:
         weight = ops.w4a16_pack(weight.contiguous())
+    blocked = nv is None and w4_blocked_applies(ops, bits, k, groups, dtype)
+    if blocked:
+        weight = ops.w4a16_block_pack(weight.contiguous())
     z = None if zero is None else zero.float().contiguous()
-    return WeightOnlyGemv(ops, bits, k, weight.contiguous(), scale.float().contiguous(), z, nv)
+    return WeightOnlyGemv(ops, bits, k, weight.contiguous(), scale.float().contiguous(), z, nv, blocked)

@@ -68,14 +68,15 @@ struct LinearCall {
   };
   int64_t kind = kDense;
   // kDense: [weight [N, K] bf16/fp16 (empty when no plain copy is kept), bias, oneDNN-packed weight, AMX tiles] with
-  // ints [small-M kernel row limit, AMX row limit]; kW8A16 / kW4A16: [weight (int8 [N, K] / packed int4), scale, zero, bias]
-  // with ints [K] for kW4A16; kW8A8Dynamic: [weight int8 [N, K], row_sum, w_scale, bias]; kW8A8DynamicAmx: [AMX-INT8
-  // packed weight, w_scale, bias, unused]; kW8A8StaticAmx: [packed weight, deq, quant_bias, bias, fp32 [input_scale,
-  // input_offset]]; kW8A16Amx: kW8A16's tensors and the AMX-INT8 packed weight, ints [small-M row limit] (the
-  // small-M kernel up to it, the AMX one above); kW8A8Static: [weight int8 [N, K], row_sum, deq, quant_bias, bias,
-  // fp32 [input_scale, input_offset]]; kWoNv: [packed (wo_nv_pack), scale [N, G], zero [N, G], scale_nv, zero * scale
-  // nv, bias] with ints [bits, N, K]; kW8A8DynamicNv / kW8A8StaticNv: kW8A8Dynamic's / kW8A8Static's with the weight
-  // packed (wo_nv_pack offset 0).
+  // ints [small-M kernel row limit, AMX row limit]; kW8A16 / kW4A16: [weight (int8 [N, K] / packed int4), scale,
+  // zero, bias] with ints [K, 1 when the weight is in the blocked layout (quant_w4_layouts.h) else 0] for kW4A16;
+  // kW8A8Dynamic: [weight int8 [N, K], row_sum, w_scale, bias]; kW8A8DynamicAmx: [AMX-INT8 packed weight, w_scale,
+  // bias, unused]; kW8A8StaticAmx: [packed weight, deq, quant_bias, bias, fp32 [input_scale, input_offset]];
+  // kW8A16Amx: kW8A16's tensors and the AMX-INT8 packed weight, ints [small-M row limit] (the small-M kernel up to
+  // it, the AMX one above); kW8A8Static: [weight int8 [N, K], row_sum, deq, quant_bias, bias, fp32 [input_scale,
+  // input_offset]]; kWoNv: [packed (wo_nv_pack), scale [N, G], zero [N, G], scale_nv, zero * scale nv, bias] with
+  // ints [bits, N, K]; kW8A8DynamicNv / kW8A8StaticNv: kW8A8Dynamic's / kW8A8Static's with the weight packed
+  // (wo_nv_pack offset 0).
   // See quantization/kernels.py.
   std::vector<at::Tensor> tensors;
   std::vector<int64_t> ints;
@@ -95,6 +96,8 @@ struct LinearCall {
       }
       case kW8A16: return ascent_quant::w8a16_linear(x, t[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
       case kW4A16:
+        if (ints[1]) return ascent_quant::w4a16_linear_blocked(x, t[0], ints[0], t[1], optional_tensor(t[2]),
+                                                               optional_tensor(t[3]));
         return ascent_quant::w4a16_linear(x, t[0], ints[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
       case kW8A8Dynamic: return ascent_quant::w8a8_dynamic_linear(x, t[0], t[1], t[2], optional_tensor(t[3]));
       case kW8A8DynamicAmx: return ascent_quant::w8a8_dynamic_linear_amx(x, t[0], t[1], optional_tensor(t[2]));
@@ -142,7 +145,7 @@ struct LinearCall {
   static LinearCall make(int64_t kind, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
     const size_t want_tensors = kind == kW8A8StaticAmx || kind == kW8A16Amx ? 5
                                 : kind == kW8A8Static || kind == kWoNv || kind == kW8A8StaticNv ? 6 : 4;
-    const size_t want_ints = kind == kDense ? 2 : (kind == kW4A16 || kind == kW8A16Amx ? 1 : (kind == kWoNv ? 3 : 0));
+    const size_t want_ints = kind == kDense || kind == kW4A16 ? 2 : (kind == kW8A16Amx ? 1 : (kind == kWoNv ? 3 : 0));
     TORCH_CHECK(kind >= kDense && kind <= kW8A8StaticNv && tensors.size() == want_tensors &&
                     ints.size() == want_ints,
                 "DecodeStack: linear kind ", kind, " with ", tensors.size(), " tensors / ", ints.size(), " ints");

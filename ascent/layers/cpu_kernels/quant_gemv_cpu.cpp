@@ -203,6 +203,8 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
   const bool vnni = wo_vnni_applies(x, int4, groups, k / groups) &&
                     (int4 ? wo_vnni_prepare<4>(x, k, groups, v, scratch_v)
                           : wo_vnni_prepare<8>(x, k, groups, v, scratch_v));
+  if (base.blocked && (!vnni || use_vnni())) return at::Tensor();  // only the AVX2 int4 kernel reads blocks
+  v.blocked = base.blocked;
   const bool bf16 = !vnni && wo_bf16_applies(x, int4, groups, k / groups);
   const bool fma8 = !int4 && !vnni && !bf16 && wo8_fma_applies(x, groups, k / groups);
   thread_local Wo8FixedScratch scratch_8;  // the workers read it during this call only
@@ -274,38 +276,32 @@ at::Tensor w8a16_linear(const at::Tensor& x_in, const at::Tensor& weight, const 
   return like_x(weight_only_linear(x, a, /*int4=*/false, k, n, zero, bias), x_in);
 }
 
-// int4 values int8 [N, K] (each in [-8, 7]) -> uint8 [N, ceil(K/2)] in the w4a16_linear layout (file header).
-at::Tensor w4a16_pack(const at::Tensor& q) {
-  check_weight(q, at::kChar);
-  const int64_t n = q.size(0), k = q.size(1), kb = (k + 1) / 2;
-  auto out = at::empty({n, kb}, q.options().dtype(at::kByte));
-  const int8_t* src = q.data_ptr<int8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  for (int64_t i = 0; i < n * k; ++i)
-    TORCH_CHECK(src[i] >= -8 && src[i] <= 7, "int4 value ", static_cast<int>(src[i]), " outside [-8, 7]");
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t j = 0; j < kb; ++j) {
-      const int lo = src[r * k + 2 * j] + 8, hi = 2 * j + 1 < k ? src[r * k + 2 * j + 1] + 8 : 8;
-      dst[r * kb + j] = static_cast<uint8_t>(lo | (hi << 4));
-    }
-  return out;
-}
+namespace {
 
-// y [M, N] = x [M, K] @ ((q - zero) * scale)^T (+ bias) with q from w4a16_pack's layout; G = 1 or K/G % 32 == 0.
-at::Tensor w4a16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t k, const at::Tensor& scale,
-                        const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias) {
+// The checked operands of w4a16_linear (packed [N, ceil(K/2)], G = 1 or K/G % 32 == 0) without x.
+WoArgs w4a16_args(const at::Tensor& packed, int64_t k, const at::Tensor& scale) {
   check_weight(packed, at::kByte);
   const int64_t n = packed.size(0);
   TORCH_CHECK(k > 0 && packed.size(1) == (k + 1) / 2, "packed must be [N, ", (k + 1) / 2, "] for K = ", k,
               ", got ", packed.sizes());
-  const at::Tensor x = rows_of(x_in, k);
   const int64_t groups = check_scales(scale, n, k);
   TORCH_CHECK(groups == 1 || (k / groups) % 32 == 0, "int4 group size must be a multiple of 32, got ", k / groups);
   const int64_t kp = (k + 31) / 32 * 32;  // the fp32 path's x: de-interleaved 32-column blocks, zero padded
-  const WoArgs a{nullptr, 0, packed.data_ptr(), packed.size(1), kp, scale.data_ptr<float>(), groups,
-                 groups == 1 ? kp : k / groups};
-  return like_x(weight_only_linear(x, a, /*int4=*/true, k, n, zero, bias), x_in);
+  return WoArgs{nullptr, 0, packed.data_ptr(), packed.size(1), kp, scale.data_ptr<float>(), groups,
+                groups == 1 ? kp : k / groups};
 }
+
+}  // namespace
+
+// y [M, N] = x [M, K] @ ((q - zero) * scale)^T (+ bias) with q from w4a16_pack's layout; G = 1 or K/G % 32 == 0.
+at::Tensor w4a16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t k, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias) {
+  const WoArgs a = w4a16_args(packed, k, scale);
+  const at::Tensor x = rows_of(x_in, k);
+  return like_x(weight_only_linear(x, a, /*int4=*/true, k, packed.size(0), zero, bias), x_in);
+}
+
+#include "quant_w4_layouts.h"
 
 // Per-token symmetric int8 quantization of x [M, K] with the torch reference's rounding (s = max|x| / 127, q =
 // clamp(nearbyint(x / s), -128, 127), all-zero rows s = 0): xq [M, ldx] as stored(q, vnni), zero padded; sx [M].
@@ -462,6 +458,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a16_pack", &ascent_quant::w4a16_pack, "w4a16_pack(q int8 [N,K] in [-8,7]) -> uint8 [N, ceil(K/2)]");
   m.def("w4a16_linear", &ascent_quant::w4a16_linear,
         "w4a16_linear(x [...,K], packed uint8, K, scale f32 [N,G], zero, bias) -> [...,N]");
+  m.def("w4a16_block_pack", &ascent_quant::w4a16_block_pack, "w4a16_block_pack(packed [N,K/2]) -> the AVX2 blocks");
+  m.def("w4a16_block_unpack", &ascent_quant::w4a16_block_unpack, "w4a16_block_unpack(blocked) -> w4a16_pack's rows");
+  m.def("w4a16_linear_blocked", &ascent_quant::w4a16_linear_blocked,
+        "w4a16_linear_blocked(x [...,K], blocked uint8, K, scale f32 [N,G], zero, bias) -> [...,N]");
   m.def("wo_nv_pack", &ascent_quant::wo_nv_pack, "wo_nv_pack(q int8 [N,K], bits, offset=-1) -> uint8 [Npad/64, "
         "K steps, 4, 64]", py::arg("q"), py::arg("bits"), py::arg("offset") = -1);
   m.def("w8a8_dynamic_linear_nv", &ascent_quant::w8a8_dynamic_linear_nv,

@@ -28,6 +28,8 @@
 
 #define ASCENT_WO_FIXED_AVX2 __attribute__((target("avx2,fma")))
 
+constexpr int64_t kBlockedPrefetch = 2048;  // the blocked layout's non-temporal prefetch distance (quant_wo_blocked.h)
+
 // A bf16 row widened to fp32 into out[0 .. k); returns max |x| (exact: a bf16 value widens exactly; inf / NaN
 // compare above every finite value as integers).
 ASCENT_WO_FIXED_AVX2 float bf16_row_widen_avx2(const uint16_t* p, int64_t k, float* out) {
@@ -215,9 +217,12 @@ ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void wo_fixed_rows_av
 // of 64 columns) and the rows hold whole halves: the half's group is a counter, x and the weights are read at plain
 // strides, one broadcast scale serves a row's half. Measured on a Zen 2 (1 thread, L2-resident, 576-column rows,
 // group 64): 31 ns per row for the general kernel (its per-half lane lookups and two-group selects) against 20 ns.
-template <int R, int MB, bool kGrouped, bool kZero>
+// kBlocked (R = kRowBlock): the block's rows in the blocked layout (w4a16_block_pack: per half the 4 rows' 32 bytes
+// side by side, so a thread reads one sequential stream) with a non-temporal prefetch kBlockedPrefetch bytes ahead.
+template <int R, int MB, bool kGrouped, bool kZero, bool kBlocked = false>
 ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void wo_fixed_rows64_avx2(const WoVnniArgs& a, int64_t n,
                                                                                     int64_t m0, float* acc) {
+  static_assert(!kBlocked || R == kRowBlock, "the blocked layout holds whole row blocks");
   const int64_t halves = a.ldw / 32;
   const int64_t per_group = kGrouped ? a.group_halves : halves;
   const uint8_t* w = a.w + n * a.ldw;
@@ -229,10 +234,15 @@ ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void wo_fixed_rows64_
   for (int64_t hf = 0; hf < halves; ++hf) {
     __m256i xv[MB][4], c[MB];
     fixed_x_half<MB>(a, m0, hf, xv, c);
+    if constexpr (kBlocked) {  // the two cache lines of this half's 128 bytes, kBlockedPrefetch ahead
+      const char* ahead = reinterpret_cast<const char*>(w + 32 * R * hf + kBlockedPrefetch);
+      _mm_prefetch(ahead, _MM_HINT_NTA);
+      _mm_prefetch(ahead + 64, _MM_HINT_NTA);
+    }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const uint8_t* p = w + r * a.ldw + 32 * hf;
-      _mm_prefetch(reinterpret_cast<const char*>(p + kWoAvx2PrefetchL2), _MM_HINT_T1);
+      const uint8_t* p = kBlocked ? w + 32 * (R * hf + r) : w + r * a.ldw + 32 * hf;
+      if constexpr (!kBlocked) _mm_prefetch(reinterpret_cast<const char*>(p + kWoAvx2PrefetchL2), _MM_HINT_T1);
       const __m256 s = kGrouped ? _mm256_broadcast_ss(scale + r * a.groups + g) : _mm256_setzero_ps();
       fixed_accumulate<MB, kGrouped>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), xv, c, s, y[r]);
     }
@@ -269,12 +279,12 @@ WoVnniFn wo_fixed_row_fn(const WoVnniArgs& a, int64_t mb) {
 // `blocks` whole row blocks from weight row n in one call: acc[m * ld + i] for row n + i. (A call per block of 4
 // rows cost ~4 ns per 576-column row on a Zen 2, 1 thread, L2-resident: 26 against 20 ns, in the return's vzeroupper
 // and the caller's set-up.)
-template <int MB, bool kGrouped, bool kZero, bool kWhole>
+template <int MB, bool kGrouped, bool kZero, bool kWhole, bool kBlocked>
 ASCENT_WO_FIXED_AVX2 void wo_fixed_span_avx2(const WoVnniArgs& a, int64_t n, int64_t blocks, int64_t ld, int64_t m0,
                                              float* acc) {
   for (int64_t b = 0; b < blocks; ++b) {
     float out[MB * kRowBlock];
-    if constexpr (kWhole) wo_fixed_rows64_avx2<kRowBlock, MB, kGrouped, kZero>(a, n + b * kRowBlock, m0, out);
+    if constexpr (kWhole) wo_fixed_rows64_avx2<kRowBlock, MB, kGrouped, kZero, kBlocked>(a, n + b * kRowBlock, m0, out);
     else wo_fixed_rows_avx2<kRowBlock, MB, kGrouped, kZero>(a, n + b * kRowBlock, m0, out);
     for (int m = 0; m < MB; ++m)
       for (int r = 0; r < kRowBlock; ++r) acc[m * ld + b * kRowBlock + r] = out[m * kRowBlock + r];
@@ -283,21 +293,25 @@ ASCENT_WO_FIXED_AVX2 void wo_fixed_span_avx2(const WoVnniArgs& a, int64_t n, int
 
 using WoFixedSpanFn = void (*)(const WoVnniArgs&, int64_t, int64_t, int64_t, int64_t, float*);
 
-template <int MB, bool kZero, bool kWhole>
+template <int MB, bool kZero, bool kWhole, bool kBlocked = false>
 WoFixedSpanFn wo_fixed_span_fn(bool grouped) {
-  return grouped ? wo_fixed_span_avx2<MB, true, kZero, kWhole> : wo_fixed_span_avx2<MB, false, kZero, kWhole>;
+  return grouped ? wo_fixed_span_avx2<MB, true, kZero, kWhole, kBlocked>
+                 : wo_fixed_span_avx2<MB, false, kZero, kWhole, kBlocked>;
 }
 
 template <int MB>
 WoFixedSpanFn wo_fixed_span_fn(const WoVnniArgs& a) {
   const bool grouped = a.groups > 1;
+  if (a.blocked)  // (w4a16_linear_blocked checks wo_fixed_whole)
+    return a.zero ? wo_fixed_span_fn<MB, true, true, true>(grouped) : wo_fixed_span_fn<MB, false, true, true>(grouped);
   if (wo_fixed_whole(a))
     return a.zero ? wo_fixed_span_fn<MB, true, true>(grouped) : wo_fixed_span_fn<MB, false, true>(grouped);
   return a.zero ? wo_fixed_span_fn<MB, true, false>(grouped) : wo_fixed_span_fn<MB, false, false>(grouped);
 }
 
 // wo_vnni_block for int4 on AVX2, any number of rows: acc [mb, rows] for weight rows [n, n + rows) and x rows
-// [m0, m0 + mb) (whole blocks in one span call, the tail rows one at a time).
+// [m0, m0 + mb) (whole blocks in one span call, the tail rows one at a time; in the blocked layout the tail rows,
+// the matrix's last N % 4, are stored as rows).
 void wo_fixed_block_avx2(const WoVnniArgs& a, int64_t n, int64_t rows, int64_t m0, int64_t mb, float* acc) {
   const int64_t blocks = rows / kRowBlock;
   if (blocks > 0) {

@@ -55,6 +55,7 @@ struct WoVnniArgs {
   const float* zero;           // [N, G] subtractive zero points folded in by the AVX2 int4 kernel, or null
   const float* group_sum;      // with zero: [M, G] sum of x^ over each group (wo_vnni_prepare)
   int64_t group_halves = 0;    // AVX2 int4, grouped: 64-column halves per group when whole (gs % 64 == 0), else 0
+  bool blocked = false;        // AVX2 int4: w in the blocked layout (quant_wo_fixed_avx2.h, w4a16_block_pack)
 };
 
 struct WoVnniScratch {

@@ -31,8 +31,8 @@ def check_int4_range(layer: nn.Module, q: torch.Tensor) -> None:
 @register_scheme("W4A16", "linear")
 class W4A16Linear(WeightOnlyLinear):
     """int4 weight-only; after loading ``wo_packed = (uint8 [N, K/2], fp32 [K/g', N, 2], g')`` when the int4pack
-    kernel takes the shape (N % 16 == 0, g' in {32, 64, 128, 256}) and the small-M kernels have no row-interleaved
-    layout (``wo_nv.py``), else None."""
+    kernel takes the shape (N % 16 == 0, g' in {32, 64, 128, 256}) and the small-M kernels have neither the
+    row-interleaved nor the blocked layout (``wo_nv.py``), else None."""
 
     bits = 4
 
@@ -40,7 +40,7 @@ class W4A16Linear(WeightOnlyLinear):
         if self.modelslim:
             check_int4_range(layer, layer.weight.detach())
         super().process_weights_after_loading(layer)
-        if layer.wo_gemv is not None and layer.wo_gemv.nv is not None:
+        if layer.wo_gemv is not None and (layer.wo_gemv.nv is not None or layer.wo_gemv.blocked):
             layer.wo_packed = None  # the kernels take every M the int4pack path would (M <= 2): memory unchanged
 
     def prepare_packed(self, layer: nn.Module) -> None:
