@@ -45,3 +45,19 @@ def test_w8a8_dynamic_rows_across_spans_and_chunks(isa_ops, threads, n, k):
                 assert torch.equal(y, kernels.int8_linear_dynamic(x, q.t(), w_scale, b))
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [3, 64, 131, 300, 1030])
+@pytest.mark.parametrize("k,groups", [(576, 1), (1536, 12)])
+def test_w8a16_rows_across_spans_and_chunks(isa_ops, threads, n, k, groups):
+    """The W8A16 fixed-point kernel (bf16 x on AVX2) runs 64-row spans too; M up to 5 (its 4-token passes)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 5):
+            x, q, scale, zero, bias = operands(m, k, n, groups, 8, n * 11 + k + m, torch.bfloat16)
+            for z, b in ((None, None), (zero, bias)):
+                assert_close(isa_ops.w8a16_linear(x, q, scale, z, b), ref_weight_only(x, q, scale, z, b))
+    finally:
+        torch.set_num_threads(old)

@@ -42,11 +42,14 @@ __attribute__((target("avx2,fma"), always_inline)) inline void zero_accumulators
 
 constexpr int64_t kSeqPrefetchL1 = 1024;  // bytes ahead of the read position prefetched into L1
 constexpr int64_t kSeqPrefetchL2 = 4096;  // ... and into L2
+constexpr int64_t kSeqPrefetchNta = 896;  // the row sweep's non-temporal prefetch distance
 
 // One W row (n) against MS x rows from m0, reading the row front to back, 32 values per step into four fp32
 // accumulators per x row (two for 3-4 x rows, to stay within 16 registers). Rows are contiguous, so prefetching a
 // fixed distance ahead also covers the next row: on a Zen 2 (K = 576 and 1536, DRAM-resident weights, 2 threads) this
-// sweep streamed 22-24 GB/s where the 4-row blocks reached 18-19 GB/s (torch fp32 sum: 27-28 GB/s).
+// sweep streamed 22-24 GB/s where the 4-row blocks reached 18-19 GB/s (torch fp32 sum: 27-28 GB/s). One
+// non-temporal prefetch per cache line kSeqPrefetchNta bytes ahead instead of the T0 1 KiB + T1 4 KiB pair: the 120
+// linears of a SmolLM2-135M step 0.81-0.85x the time (28-29 GB/s; distances 640-1280 B alike, 2048 B 0.99x).
 template <typename T, bool kIsHalf, int MS>
 __attribute__((target("avx2,fma,f16c"))) void gemv_row_seq_avx2(const GemvArgs& a, int64_t n, int64_t m0) {
   const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.k;
@@ -57,8 +60,7 @@ __attribute__((target("avx2,fma,f16c"))) void gemv_row_seq_avx2(const GemvArgs& 
   zero_accumulators(acc);
   int64_t i = 0;
   for (; i + 32 <= a.k; i += 32) {
-    __builtin_prefetch(wb + 2 * i + kSeqPrefetchL1, 0, 3);
-    __builtin_prefetch(wb + 2 * i + kSeqPrefetchL2, 0, 1);
+    _mm_prefetch(wb + 2 * i + kSeqPrefetchNta, _MM_HINT_NTA);
     __m256 w0, w1, w2, w3;
     split16_256<kIsHalf>(w + i, w0, w1);
     split16_256<kIsHalf>(w + i + 16, w2, w3);
