@@ -1,9 +1,12 @@
-"""Row spans of the AVX2 W4A16 and W8A8 kernels (quant_gemv_cpu.cpp's ``kSpanRows``): one kernel call covers up to
-64 weight rows (W4A16 in whole blocks of 4, the tail rows one at a time) inside the row chunks the threads take, and
+"""Row spans of the AVX2 W4A16, W8A8 and W8A16 kernels (quant_gemv_cpu.cpp's ``kSpanRows``): one kernel call covers up
+to 64 weight rows (W4A16 in whole blocks of 4, the tail rows one at a time) inside the row chunks the threads take, and
 the outputs are stored a span row at a time. Row counts that are no multiple of the span, the block or the chunk must
 land every output row where it belongs."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -13,29 +16,34 @@ from tests.unit.test_quant_gemv_kernels import (assert_close, isa_ops, operands,
                                                 ops, ref_weight_only)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("n", [3, 64, 131, 300, 1030])
-@pytest.mark.parametrize("k,groups", [(576, 9), (576, 1), (512, 16), (1536, 12), (200, 1)])
-def test_w4a16_rows_across_spans_and_chunks(isa_ops, threads, n, k, groups):
+@contextmanager
+def num_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` inside the block."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for m in (1, 3):
-            x, q, scale, zero, bias = operands(m, k, n, groups, 4, n * 13 + k + m, torch.bfloat16)
-            packed = isa_ops.w4a16_pack(q)
-            for z, b in ((None, None), (zero, bias)):
-                assert_close(isa_ops.w4a16_linear(x, packed, k, scale, z, b), ref_weight_only(x, q, scale, z, b))
+        yield
     finally:
         torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n", [3, 64, 131, 300, 1030])
+@pytest.mark.parametrize("k,groups", [(576, 9), (576, 1), (512, 16), (1536, 12), (200, 1)])
+def test_w4a16_rows_across_spans_and_chunks(isa_ops, threads, n, k, groups):
+    with num_threads(threads):
+        for m in (1, 3):
+            x, q, scale, zero, bias = operands(m, k, n, groups, 4, n * 13 + k + m, torch.bfloat16)
+            packed = isa_ops.w4a16_pack(q)
+            for z, b in ((None, None), (zero, bias)):
+                assert_close(isa_ops.w4a16_linear(x, packed, k, scale, z, b), ref_weight_only(x, q, scale, z, b))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [3, 64, 131, 300, 1030])
 @pytest.mark.parametrize("k", [576, 100])
 def test_w8a8_dynamic_rows_across_spans_and_chunks(isa_ops, threads, n, k):
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         for m in (1, 5):
             x, q, _, _, bias = operands(m, k, n, 1, 8, n * 7 + k + m, torch.bfloat16)
             w_scale = torch.rand(n) * 0.01
@@ -43,8 +51,6 @@ def test_w8a8_dynamic_rows_across_spans_and_chunks(isa_ops, threads, n, k):
             for b in (None, bias):
                 y = isa_ops.w8a8_dynamic_linear(x, q, row_sum, w_scale, b)
                 assert torch.equal(y, kernels.int8_linear_dynamic(x, q.t(), w_scale, b))
-    finally:
-        torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -52,12 +58,8 @@ def test_w8a8_dynamic_rows_across_spans_and_chunks(isa_ops, threads, n, k):
 @pytest.mark.parametrize("k,groups", [(576, 1), (1536, 12)])
 def test_w8a16_rows_across_spans_and_chunks(isa_ops, threads, n, k, groups):
     """The W8A16 fixed-point kernel (bf16 x on AVX2) runs 64-row spans too; M up to 5 (its 4-token passes)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         for m in (1, 5):
             x, q, scale, zero, bias = operands(m, k, n, groups, 8, n * 11 + k + m, torch.bfloat16)
             for z, b in ((None, None), (zero, bias)):
                 assert_close(isa_ops.w8a16_linear(x, q, scale, z, b), ref_weight_only(x, q, scale, z, b))
-    finally:
-        torch.set_num_threads(old)

@@ -12,6 +12,7 @@ from ascent.quantization.kernels import STACK_KIND_W4A16, prepare_wo_gemv
 from ascent.quantization.wo_nv import w4_blocked_applies
 from tests.unit.test_quant_gemv_kernels import (assert_close, isa_ops, operands,  # noqa: F401 (fixtures)
                                                 ops, ref_weight_only)
+from tests.unit.test_quant_row_spans import num_threads
 
 
 def blocked_reference(packed: torch.Tensor) -> torch.Tensor:
@@ -52,9 +53,7 @@ def test_block_layout_rejects_partial_halves(ops):
 def test_blocked_equals_rows(isa_ops, threads, n, k, groups):
     """Every ISA the fixture forces (the portable and capped paths run on the restored rows), row counts with tail
     rows and across spans and chunks, M up to 5 (the kernel's two-row passes and their remainder)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with num_threads(threads):
         for m, dtype in ((1, torch.bfloat16), (2, torch.bfloat16), (5, torch.bfloat16), (1, torch.float16),
                          (3, torch.float32)):
             x, q, scale, zero, bias = operands(m, k, n, groups, 4, n * 17 + k + m, dtype)
@@ -64,8 +63,6 @@ def test_blocked_equals_rows(isa_ops, threads, n, k, groups):
                 y = isa_ops.w4a16_linear_blocked(x, blocked, k, scale, z, b)
                 same_values(y, isa_ops.w4a16_linear(x, packed, k, scale, z, b))
                 assert_close(y, ref_weight_only(x, q, scale, z, b))
-    finally:
-        torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
