@@ -24,7 +24,7 @@ struct WoArgs {
   int64_t kp;           // columns iterated (K, or Kp for int4)
   const float* scale;   // [N, G]
   int64_t groups, gs;   // G, columns per group (per-channel: G = 1, gs = kp)
-  bool blocked = false; // int4 weights in quant_wo_blocked.h's layout
+  bool blocked = false; // int4 weights in quant_w4_layouts.h's blocked layout
 };
 
 template <int R, int MB>

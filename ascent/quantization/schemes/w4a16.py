@@ -41,7 +41,9 @@ class W4A16Linear(WeightOnlyLinear):
             check_int4_range(layer, layer.weight.detach())
         super().process_weights_after_loading(layer)
         if layer.wo_gemv is not None and (layer.wo_gemv.nv is not None or layer.wo_gemv.blocked):
-            layer.wo_packed = None  # the kernels take every M the int4pack path would (M <= 2): memory unchanged
+            # the kernels take every M the int4pack path would (M <= 2); the int4pack copy had the size of the
+            # new layout's, so memory is unchanged where it existed
+            layer.wo_packed = None
 
     def prepare_packed(self, layer: nn.Module) -> None:
         layer.wo_packed = None
