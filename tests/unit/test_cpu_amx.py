@@ -79,6 +79,26 @@ def test_float_output_is_the_rounded_bf16_widened(amx, m):
     assert plain.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("n,k", [(16, 32), (80, 1536), (960, 576)])
+def test_one_row_takes_the_dot_product_path_on_the_same_tiles(amx, n, k):
+    """A single row of x (batch-1 decode) reads the packed weight with AVX512-BF16 dot products instead of tiles: the
+    exact product rounded once, for a 1-D x, an x row at an odd element offset, with bias, and as fp32 logits."""
+    gen = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    wide = torch.randn(3, k + 3, generator=gen).to(torch.bfloat16)
+    wp = amx.amx_pack(w)
+    for x in (wide[1, 1:k + 1], wide[2:3, 3:], wide[0:1, :k].contiguous()):
+        exact = _exact(x.reshape(1, k), w, bias)
+        got = amx.amx_linear(x, wp, bias)
+        assert got.shape == (*x.shape[:-1], n)
+        _assert_bf16_of(got.reshape(1, n), exact)
+        assert torch.equal(amx.amx_linear(x, wp, bias, True), got.float())
+    poisoned = wide[0, :k].clone()
+    poisoned[k // 2] = float("nan")
+    assert bool(amx.amx_linear(poisoned, wp, None).isnan().all())
+
+
 def test_leading_dims_strides_and_bad_inputs(amx):
     w = torch.randn(32, 64).to(torch.bfloat16)
     wp = amx.amx_pack(w)
