@@ -87,6 +87,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void column_blocks(const Operands& 
   const char* b0 = reinterpret_cast<const char*>(o.wp + nb * o.kb * 512);
   const char* b1 = b0 + o.kb * 1024;
   for (int64_t k = 0; k < o.kb; ++k) {
+    ascent_tiles::prefetch_weight_tiles(b0, b1, k, blocks);
     _tile_loadd(0, a0 + k * 64, xstride);
     _tile_loadd(2, b0 + k * 1024, 64);
     _tile_dpbf16ps(4, 0, 2);

@@ -1,6 +1,7 @@
 // Intel AMX helpers shared by amx_linear_cpu.cpp and the AMX decode attention of fused_cpu.cpp (amx_attention.h):
 // the CPU / kernel permission check and the LDTILECFG operand. Included at global scope (before any namespace).
 #pragma once
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -39,6 +40,28 @@ inline TileConfig tile_config(const int64_t (&rows)[8]) {
     cfg.colsb[t] = 64;
   }
   return cfg;
+}
+
+// Prefetch of the weight tiles ahead of a K step of the column-block kernels (amx_linear_cpu.cpp, quant_amx_int8.h),
+// whose 1 KiB B tiles of column block b sit at b0 / b1 + k * 1024: one T0 4 KiB and one T1 64 KiB ahead per 64-byte
+// line of each stream. A tile load waits on its lines before the dot product that frees its tile register, so with
+// the hardware prefetchers alone the tiles wait on memory. Measured on a Xeon with AMX (2 threads, bf16 tiles over
+// SmolLM2's 120 decode linears + lm_head from DRAM, interleaved with the kernel without it): M = 4 0.94x, 16 0.95x,
+// 32 0.84-0.90x, 64 0.93x the time; T0 alone at 2-8 KiB 0.90-0.96x; a far distance of 256 KiB 0.95-1.02x.
+constexpr int64_t kTilePrefetchNear = 4096;
+constexpr int64_t kTilePrefetchFar = 65536;
+
+inline void prefetch_weight_tiles(const void* b0, const void* b1, int64_t k, int blocks) {
+  const char* s0 = static_cast<const char*>(b0) + k * 1024;
+  const char* s1 = static_cast<const char*>(b1) + k * 1024;
+  for (int line = 0; line < 16; ++line) {
+    _mm_prefetch(s0 + kTilePrefetchNear + 64 * line, _MM_HINT_T0);
+    _mm_prefetch(s0 + kTilePrefetchFar + 64 * line, _MM_HINT_T1);
+    if (blocks == 2) {
+      _mm_prefetch(s1 + kTilePrefetchNear + 64 * line, _MM_HINT_T0);
+      _mm_prefetch(s1 + kTilePrefetchFar + 64 * line, _MM_HINT_T1);
+    }
+  }
 }
 
 }  // namespace ascent_tiles

@@ -20,6 +20,12 @@ inline bool amx_int8_usable() {
   return ok;
 }
 
+// Rows of x from which the tile kernels prefetch their weight tiles (ascent_tiles::prefetch_weight_tiles). The int8
+// weights are half the bytes of bf16 ones and a small model's stay largely in a big L3, where the prefetches only
+// add instructions: W8A8 dynamic, SmolLM2's 120 decode linears + lm_head, Xeon with AMX, 2 threads, interleaved, time
+// with / without: M = 1 1.06-1.07x, 2 1.08x, 4 1.03x, 8 0.99x, 16 0.98x, 32 0.91x; W8A16 M = 8 0.97x, 32 0.95x.
+constexpr int64_t kTilePrefetchMinRows = 8;
+
 struct AmxI8Operands {
   const int8_t* xq;     // [M, ldx] quantized rows (zero padded to K)
   int64_t ldx;
@@ -71,7 +77,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void amx_i8_store16(co
 // Rows [m0, m0 + rows0 + rows1) (rows1 = 0 or a second 16-row tile) of column blocks nb (and nb + 1 when blocks
 // == 2); tiles configured by the caller for (rows0, rows1).
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void amx_i8_blocks(
-    const AmxI8Operands& o, int64_t m0, int64_t rows0, int64_t rows1, int64_t nb, int blocks, int32_t* scratch) {
+    const AmxI8Operands& o, int64_t m0, int64_t rows0, int64_t rows1, int64_t nb, int blocks, bool prefetch,
+    int32_t* scratch) {
   _tile_zero(4);
   _tile_zero(5);
   _tile_zero(6);
@@ -81,6 +88,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
   const int8_t* b0 = o.wp + nb * o.kb * 1024;
   const int8_t* b1 = b0 + o.kb * 1024;
   for (int64_t k = 0; k < o.kb; ++k) {
+    if (prefetch) ascent_tiles::prefetch_weight_tiles(b0, b1, k, blocks);
     _tile_loadd(0, a0 + k * 64, o.ldx);
     _tile_loadd(2, b0 + k * 1024, 64);
     _tile_dpbssd(4, 0, 2);
@@ -113,7 +121,7 @@ struct AmxFxOperands {
 };
 
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void amx_fx_blocks(
-    const AmxFxOperands& f, int64_t m0, int64_t rows, int64_t nb, int blocks, int32_t* scratch) {
+    const AmxFxOperands& f, int64_t m0, int64_t rows, int64_t nb, int blocks, bool prefetch, int32_t* scratch) {
   const AmxI8Operands& o = f.o;
   _tile_zero(4);
   _tile_zero(5);
@@ -125,6 +133,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
   const int8_t* b0 = o.wp + nb * o.kb * 1024;
   const int8_t* b1 = b0 + o.kb * 1024;
   for (int64_t k = 0; k < o.kb; ++k) {
+    if (prefetch) ascent_tiles::prefetch_weight_tiles(b0, b1, k, blocks);
     _tile_loadd(0, hi + k * 64, k_bytes);
     _tile_loadd(1, lo + k * 64, k_bytes);
     _tile_loadd(2, b0 + k * 1024, 64);
@@ -165,7 +174,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
         _tile_loadconfig(&cfg);
         configured = rows;
       }
-      amx_fx_blocks(f, m0, rows, 2 * p, 2 * p + 1 < nblocks ? 2 : 1, scratch);
+      amx_fx_blocks(f, m0, rows, 2 * p, 2 * p + 1 < nblocks ? 2 : 1, m >= kTilePrefetchMinRows, scratch);
     }
   }
   _tile_release();
@@ -186,7 +195,8 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
         _tile_loadconfig(&cfg);
         configured = rows;
       }
-      amx_i8_blocks(o, m0, rows0, rows - rows0, 2 * p, 2 * p + 1 < nblocks ? 2 : 1, scratch);
+      amx_i8_blocks(o, m0, rows0, rows - rows0, 2 * p, 2 * p + 1 < nblocks ? 2 : 1, m >= kTilePrefetchMinRows,
+                    scratch);
     }
   }
   _tile_release();
