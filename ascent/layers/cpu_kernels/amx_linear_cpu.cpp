@@ -133,22 +133,16 @@ __attribute__((target("amx-tile,amx-bf16"))) void pair_range(const Operands& o, 
   _tile_release();
 }
 
-#ifndef ASCENT_AMX_GEMV_PREFETCH_NEAR
-#define ASCENT_AMX_GEMV_PREFETCH_NEAR 2048
-#endif
-#ifndef ASCENT_AMX_GEMV_PREFETCH_FAR
-#define ASCENT_AMX_GEMV_PREFETCH_FAR 8192
-#endif
 // One row of x (M = 1) on the same packed weight, without tiles: a tile of one row wastes the unit, and the tiles'
 // two interleaved weight streams per column-block pair read DRAM slower than one sequential stream (measured on a
 // Xeon with AMX, SmolLM2's 120 decode linears + lm_head, 2 threads, interleaved: 0.94-0.96x the tiles' time, as fast
-// as the small-M kernel on plain rows, which this layout no longer keeps). Row r of the VNNI
-// B tile of (nb, kb) holds the 16 columns' pair (2r, 2r + 1) of K block kb, so one VDPBF16PS against x's pair
-// broadcast adds it to the 16 output lanes; four accumulators over the tile rows. A thread's column blocks are one
-// contiguous stretch of wp, read front to back with a T0 and a T2 prefetch ahead (one of each per 64-byte line;
-// without them the stream is 1.36x slower, other distances from 1/4 to 4/16 KiB were within 3 %).
-constexpr int64_t kGemvPrefetchNear = ASCENT_AMX_GEMV_PREFETCH_NEAR;
-constexpr int64_t kGemvPrefetchFar = ASCENT_AMX_GEMV_PREFETCH_FAR;
+// as the small-M kernel on plain rows, which this layout no longer keeps). Row r of the VNNI B tile of (nb, kb)
+// holds the 16 columns' pair (2r, 2r + 1) of K block kb, so one VDPBF16PS against x's pair broadcast adds it to the
+// 16 output lanes; four accumulators over the tile rows. A thread's column blocks are one contiguous stretch of wp,
+// read front to back with a T0 and a T2 prefetch ahead (one of each per 64-byte line; without them the stream is
+// 1.36x slower, other distances from 1/4 to 4/16 KiB were within 3 %).
+constexpr int64_t kGemvPrefetchNear = 2048;
+constexpr int64_t kGemvPrefetchFar = 8192;
 
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) __m512 gemv_column_block(const Operands& o, int64_t nb) {
   const char* x_pairs = reinterpret_cast<const char*>(o.x);
@@ -159,8 +153,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) __m512 gemv_column_block(
     const char* x_k = x_pairs + 64 * k;
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
-      if constexpr (kGemvPrefetchNear > 0) _mm_prefetch(tile + 64 * r + kGemvPrefetchNear, _MM_HINT_T0);
-      if constexpr (kGemvPrefetchFar > 0) _mm_prefetch(tile + 64 * r + kGemvPrefetchFar, _MM_HINT_T2);
+      _mm_prefetch(tile + 64 * r + kGemvPrefetchNear, _MM_HINT_T0);
+      _mm_prefetch(tile + 64 * r + kGemvPrefetchFar, _MM_HINT_T2);
       const __m512i w = _mm512_loadu_si512(tile + 64 * r);
       int32_t x_pair;
       std::memcpy(&x_pair, x_k + 4 * r, 4);
@@ -216,7 +210,8 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   auto y = torch::empty({m, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   const Operands o{x.data_ptr<c10::BFloat16>(), k, wp.data_ptr<c10::BFloat16>(), k / 32,
                    bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, y.data_ptr(), n, float_out};
-  if (m == 1) {
+  static const bool bf16_dot = __builtin_cpu_supports("avx512bf16");  // every AMX-BF16 CPU so far; checked anyway
+  if (m == 1 && bf16_dot) {
     at::parallel_for(0, n / 16, 8, [&](int64_t begin, int64_t end) { gemv_range(o, begin, end); });
     return y.view(sizes);
   }

@@ -1,5 +1,6 @@
-// Intel AMX helpers shared by amx_linear_cpu.cpp and the AMX decode attention of fused_cpu.cpp (amx_attention.h):
-// the CPU / kernel permission check and the LDTILECFG operand. Included at global scope (before any namespace).
+// Intel AMX helpers shared by amx_linear_cpu.cpp, the AMX-INT8 kernels (quant_amx_int8.h) and the AMX decode
+// attention of fused_cpu.cpp (amx_attention.h): the CPU / kernel permission check, the LDTILECFG operand and the
+// weight-tile prefetch. Included at global scope (before any namespace).
 #pragma once
 #include <immintrin.h>
 #include <sys/syscall.h>
