@@ -1,9 +1,11 @@
-"""The fused AVX512-BF16 causal prefill attention (``prefill_attention``) against a float64 recomputation, alone and
-as the SDPA backend's fresh / cached-prefix prefill path; routing falls back to torch SDPA where it does not apply.
+"""The fused causal prefill attention kernels (``prefill_attention``: AVX512-BF16, and AMX tiles on AMX CPUs) against a
+float64 recomputation, alone and as the SDPA backend's fresh / cached-prefix prefill path; routing falls back to torch
+SDPA where neither applies.
 
-Shapes cover one row, partial query blocks and key blocks (64 keys), GQA groups 1-8, head dims 32-256, row-strided
-q/k/v (slices of one fused QKV row), cached prefixes (query i at position q_offset + i) and sliding windows, including
-windows that leave some query vectors of a 4-vector tile without any key in the first key block the tile visits.
+Shapes cover one row, partial query blocks and key blocks (64 keys for AVX512, 16 / 32 keys and 256-key softmax
+chunks for AMX), GQA groups 1-8, head dims 32-256 (AMX: 32 / 64 / 128), row-strided q/k/v (slices of one fused QKV
+row), cached prefixes (query i at position q_offset + i) and sliding windows, including windows that leave some query
+rows of a tile without any key in the first key block or chunk the tile visits.
 """
 
 from __future__ import annotations
@@ -31,14 +33,17 @@ def ops():
     return module
 
 
-@pytest.fixture()
-def kernel(ops):
-    """The kernel at full ISA level, on wherever AVX512-BF16 exists (auto mode leaves AMX CPUs to torch's SDPA);
-    CPUs without AVX512-BF16 cannot run it (the routing test covers them)."""
-    previous, previous_mode = ops.set_isa_limit(2), ops.set_prefill_attention(1)
+AVX512_MODE, AMX_MODE = 1, 2
+
+
+@pytest.fixture(params=[AVX512_MODE, AMX_MODE], ids=["avx512", "amx"])
+def kernel(ops, request):
+    """The AVX512-BF16 kernel (mode 1: wherever AVX512-BF16 exists) or the AMX kernel (mode 2: AMX CPUs), at full ISA
+    level; a CPU without that ISA cannot run it (the routing tests cover what it does there)."""
+    previous, previous_mode = ops.set_isa_limit(2), ops.set_prefill_attention(request.param)
     try:
         if not ops.prefill_attention_available(64):
-            pytest.skip("this CPU has no AVX512-BF16: prefill_attention does not apply (routing tested separately)")
+            pytest.skip(f"this CPU lacks the ISA of prefill attention mode {request.param}")
         yield ops
     finally:
         ops.set_isa_limit(previous)
@@ -47,11 +52,18 @@ def kernel(ops):
 
 def test_mode_switch_validates_and_gates(ops) -> None:
     with pytest.raises(RuntimeError, match="prefill attention mode"):
-        ops.set_prefill_attention(2)
+        ops.set_prefill_attention(3)
     previous = ops.set_prefill_attention(0)
     try:
         assert not ops.prefill_attention_available(64)
         assert ops.set_prefill_attention(-1) == 0
+        auto = ops.prefill_attention_available(64)
+        ops.set_prefill_attention(AVX512_MODE)
+        avx512 = ops.prefill_attention_available(64)
+        ops.set_prefill_attention(AMX_MODE)
+        amx = ops.prefill_attention_available(64)
+        assert auto == (avx512 or amx)  # auto picks one of them wherever either exists
+        assert not ops.prefill_attention_available(256)  # the AMX kernel stops at head dim 128
     finally:
         ops.set_prefill_attention(previous)
 
@@ -84,11 +96,16 @@ def fused_qkv(tq: int, q_offset: int, heads: int, kv_heads: int, d: int, seed: i
     "tq,q_offset,heads,kv_heads,d,window",
     [(1, 0, 9, 3, 64, 0), (7, 0, 9, 3, 64, 0), (64, 0, 4, 4, 64, 0), (65, 0, 8, 1, 32, 0), (200, 0, 9, 3, 64, 0),
      (100, 37, 8, 2, 128, 0), (33, 300, 6, 2, 256, 0), (257, 0, 4, 4, 64, 50), (130, 10, 6, 3, 64, 1),
-     (150, 0, 6, 2, 64, 64), (70, 90, 9, 3, 64, 17)],
+     (150, 0, 6, 2, 64, 64), (70, 90, 9, 3, 64, 17), (600, 0, 9, 3, 64, 0), (300, 500, 4, 2, 128, 0),
+     (40, 700, 4, 2, 32, 100), (17, 15, 9, 3, 64, 0), (530, 0, 6, 2, 64, 300)],
 )
 def test_kernel_matches_float64(kernel, tq: int, q_offset: int, heads: int, kv_heads: int, d: int,
                                 window: int) -> None:
     q, k, v = fused_qkv(tq, q_offset, heads, kv_heads, d, seed=tq * 1000 + q_offset)
+    if not kernel.prefill_attention_available(d):  # the AMX kernel's head dims are 32, 64 and 128
+        with pytest.raises(RuntimeError, match="head dim"):
+            kernel.prefill_attention(q, k, v, heads, 1 / math.sqrt(d), q_offset, window)
+        return
     out = kernel.prefill_attention(q, k, v, heads, 1 / math.sqrt(d), q_offset, window)
     assert out.shape == (tq, heads * d) and out.dtype == torch.bfloat16 and out.is_contiguous()
     want = reference(q, k, v, heads, d, q_offset, window)
@@ -112,13 +129,20 @@ def test_kernel_rejects_bad_inputs(kernel) -> None:
         kernel.prefill_attention(q, k[:, :96], v[:, :96], 4, 0.125, 4, 0)
     with pytest.raises(RuntimeError, match="head dim"):
         kernel.prefill_attention(q[:, :48 * 4], k[:, :48 * 2], v[:, :48 * 2], 4, 0.125, 4, 0)
+    with pytest.raises(RuntimeError, match="head dim"):  # 256: the AVX512 kernel's, not the AMX kernel's
+        qb, kb, vb = fused_qkv(8, 4, 4, 2, 256, seed=5)
+        previous = kernel.set_prefill_attention(AMX_MODE)
+        try:
+            kernel.prefill_attention(qb, kb, vb, 4, 0.0625, 4, 0)
+        finally:
+            kernel.set_prefill_attention(previous)
     with pytest.raises(RuntimeError, match="window"):
         kernel.prefill_attention(q, k, v, 4, 0.125, 4, -1)
 
 
-@pytest.mark.parametrize("value,mode", [("0", 0), ("1", 1), ("", -1), ("yes", -1)])
+@pytest.mark.parametrize("value,mode", [("0", 0), ("1", 1), ("2", 2), ("", -1), ("yes", -1), ("3", -1), ("11", -1)])
 def test_environment_sets_the_initial_mode(value: str, mode: int) -> None:
-    """ASCENT_CPU_PREFILL_ATTENTION is read when the kernels load: 0 off, 1 on, anything else auto."""
+    """ASCENT_CPU_PREFILL_ATTENTION is read when the kernels load: 0 off, 1 AVX512, 2 AMX, anything else auto."""
     code = ("from ascent.layers import cpu_kernels; ops = cpu_kernels.fused_ops(); "
             "print(ops.set_prefill_attention(-1))")
     env = {**os.environ, "ASCENT_CPU_PREFILL_ATTENTION": value}
@@ -138,13 +162,14 @@ def _backend_case(dtype: torch.dtype, window: int | None):
 
 
 @pytest.mark.parametrize("window", [None, 24])
-@pytest.mark.parametrize("isa_level", [2, 1], ids=["kernel", "torch-sdpa"])
-def test_backend_prefills_match_float64(ops, isa_level: int, window: int | None,
+@pytest.mark.parametrize("isa_level,mode", [(2, AVX512_MODE), (2, AMX_MODE), (1, -1)],
+                         ids=["avx512-kernel", "amx-kernel", "torch-sdpa"])
+def test_backend_prefills_match_float64(ops, isa_level: int, mode: int, window: int | None,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 prefills through SDPAImpl: with the kernel (where the CPU has it) and with it ruled out (ISA limit 1),
-    both match float64; the kernel is called exactly for the prefill requests when it applies."""
+    """bf16 prefills through SDPAImpl: with each kernel (where the CPU has it) and with both ruled out (ISA limit 1),
+    all match float64; the kernel is called exactly for the prefill requests when it applies."""
     reqs, common, cache, q, k_new, v_new, full_k, full_v = _backend_case(torch.bfloat16, window)
-    previous, previous_mode = ops.set_isa_limit(isa_level), ops.set_prefill_attention(1)
+    previous, previous_mode = ops.set_isa_limit(isa_level), ops.set_prefill_attention(mode)
     try:
         applies = bool(ops.prefill_attention_available(64))
         calls = []

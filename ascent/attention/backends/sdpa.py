@@ -306,7 +306,7 @@ class SDPAImpl(AttentionImpl):
     With the CPU profile's fused kernels, the KV write and decode attention run as one C++ call each on CPU
     (``paged_kv_write``, ``paged_decode_attention``: fp32 softmax over the request's own slots, no gather/padding),
     and bf16 prefills (fresh, or a chunk over its gathered cached prefix) take ``prefill_attention`` where it applies
-    (AVX512-BF16 without AMX, head size a multiple of 32 up to 256).
+    (AVX512-BF16 without AMX: head size a multiple of 32 up to 256; AMX: head size 32, 64 or 128).
     """
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
@@ -428,9 +428,9 @@ class SDPAImpl(AttentionImpl):
         return x.reshape(1, x.shape[0], num_heads, self.head_size).transpose(1, 2)
 
     def _prefill_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether the fused AVX512-BF16 causal kernel (``prefill_attention``) takes this prefill: bf16 CPU tensors
-        with unit last stride (k / v: this chunk's rows or the cache planes) and a head size it supports (2-3x torch's
-        SDPA there)."""
+        """Whether the fused causal kernel (``prefill_attention``: AVX512-BF16, or AMX tiles on AMX CPUs) takes this
+        prefill: bf16 CPU tensors with unit last stride (k / v: this chunk's rows or the cache planes) and a head size
+        it supports (1.3-3x torch's SDPA there)."""
         return (self._fused is not None and q.device.type == "cpu" and q.dtype == torch.bfloat16
                 and k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16 and q.dim() == 2 and q.stride(-1) == 1
                 and k.stride(-1) == 1 and v.stride(-1) == 1 and self._fused.prefill_attention_available(self.head_size))

@@ -246,13 +246,25 @@ ASCENT_AVX512 void amx_fill_p(const AmxAttnUnit& u, const float* e, int64_t padd
     }
 }
 
+// Row r of a 32-key block's V B tiles (D / 16 tiles of [16 key pairs][16 dims][2], tile db at tiles + db * 512) from
+// the value rows of keys 2r (v0) and 2r + 1 (v1); nullptr reads as a zero row.
+template <int D>
+ASCENT_AVX512 inline void interleave_value_pair(const bf16* v0, const bf16* v1, uint16_t* tiles, int64_t r) {
+  const __m512i even = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                        5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(16));
+  for (int64_t db = 0; db < D / 16; db += 2) {  // one 32-dim chunk: output blocks db, db + 1
+    const __m512i a = v0 ? _mm512_loadu_si512(v0 + db * 16) : _mm512_setzero_si512();
+    const __m512i b = v1 ? _mm512_loadu_si512(v1 + db * 16) : _mm512_setzero_si512();
+    _mm512_storeu_si512(tiles + db * 512 + r * 32, _mm512_permutex2var_epi16(a, even, b));
+    _mm512_storeu_si512(tiles + (db + 1) * 512 + r * 32, _mm512_permutex2var_epi16(a, odd, b));
+  }
+}
+
 // V B tiles of every 32-key block from `base`: vt[blk][db][r][c][t] = v_{base + 32 blk + 2r + t}[16 db + c] (keys at
 // or past `end` are zero rows). Written in one pass before the tile loads read them.
 template <int D>
 ASCENT_AVX512 void amx_fill_vt(const AmxAttnUnit& u, int64_t base, int64_t end, int64_t blocks, AmxAttnScratch& s) {
-  const __m512i even = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
-                                        5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(16));
   s.vt.resize(static_cast<size_t>(blocks * D / 16 * 512));
   for (int64_t blk = 0; blk < blocks; ++blk) {
     uint16_t* tiles = s.vt.data() + blk * D / 16 * 512;
@@ -260,12 +272,7 @@ ASCENT_AVX512 void amx_fill_vt(const AmxAttnUnit& u, int64_t base, int64_t end, 
       const int64_t k0 = base + blk * kAmxValueKeys + 2 * r, k1 = k0 + 1;
       const bf16* v0 = k0 < end ? u.vbase + u.slots[k0] * u.row_w : nullptr;
       const bf16* v1 = k1 < end ? u.vbase + u.slots[k1] * u.row_w : nullptr;
-      for (int64_t db = 0; db < D / 16; db += 2) {  // one 32-dim chunk: output blocks db, db + 1
-        const __m512i a = v0 ? _mm512_loadu_si512(v0 + db * 16) : _mm512_setzero_si512();
-        const __m512i b = v1 ? _mm512_loadu_si512(v1 + db * 16) : _mm512_setzero_si512();
-        _mm512_storeu_si512(tiles + db * 512 + r * 32, _mm512_permutex2var_epi16(a, even, b));
-        _mm512_storeu_si512(tiles + (db + 1) * 512 + r * 32, _mm512_permutex2var_epi16(a, odd, b));
-      }
+      interleave_value_pair<D>(v0, v1, tiles, r);
     }
   }
 }

@@ -33,20 +33,20 @@ struct PrefillAttnArgs {
   bf16* out;  // [tq, heads * d] contiguous
 };
 
-// -1 auto: CPUs with AVX512-BF16 and without AMX (with AMX, torch's SDPA runs oneDNN's AMX micro-kernels; this
-// kernel is not measured there); 1: wherever AVX512-BF16 exists; 0: never. The environment's
-// ASCENT_CPU_PREFILL_ATTENTION=0 / 1 sets it at load (anything else: auto); set_prefill_attention changes it (tests).
+// -1 auto: this kernel on CPUs with AVX512-BF16 and without AMX, the AMX kernel (amx_prefill_attention.h) on AMX
+// CPUs (this one is 2-3.5x slower than torch's SDPA there); 1: this kernel wherever AVX512-BF16 exists; 2: the AMX
+// kernel wherever AMX exists; 0: neither. The environment's ASCENT_CPU_PREFILL_ATTENTION=0 / 1 / 2 sets it at load
+// (anything else: auto); set_prefill_attention changes it (tests).
 int initial_prefill_mode() {
   const char* v = std::getenv("ASCENT_CPU_PREFILL_ATTENTION");
-  if (v != nullptr && std::strcmp(v, "0") == 0) return 0;
-  if (v != nullptr && std::strcmp(v, "1") == 0) return 1;
+  if (v != nullptr && v[0] >= '0' && v[0] <= '2' && v[1] == '\0') return v[0] - '0';
   return -1;
 }
 
 int g_prefill_attention = initial_prefill_mode();
 
 inline bool prefill_attention_applies(int64_t d) {
-  const bool wanted = g_prefill_attention > 0 || (g_prefill_attention < 0 && !ascent_tiles::amx_usable());
+  const bool wanted = g_prefill_attention == 1 || (g_prefill_attention < 0 && !ascent_tiles::amx_usable());
   return wanted && has_avx512_bf16() && d % 32 == 0 && d > 0 && d <= kMaxHeadDim;
 }
 

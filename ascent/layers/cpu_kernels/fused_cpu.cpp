@@ -68,6 +68,7 @@ inline float exp_approx(float x) {
 #include "split_attention.h"
 #include "amx_attention.h"
 #include "avx512_prefill_attention.h"
+#include "amx_prefill_attention.h"
 
 }  // namespace
 
@@ -411,20 +412,24 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(q_offset >= 0 && tk == q_offset + tq, "prefill_attention: tk (", tk, ") must equal q_offset (",
               q_offset, ") + tq (", tq, ")");
   TORCH_CHECK(window >= 0, "prefill_attention: window must be >= 0");
-  TORCH_CHECK(prefill_attention_applies(d), "prefill_attention: needs AVX512-BF16 and a head dim that is a multiple ",
-              "of 32 up to ", kMaxHeadDim, ", got ", d);
+  const bool amx = amx_prefill_applies(d);
+  TORCH_CHECK(amx || prefill_attention_applies(d), "prefill_attention: needs AMX (head dim 32, 64 or 128) or ",
+              "AVX512-BF16 and a head dim that is a multiple of 32 up to ", kMaxHeadDim, ", got ", d);
   auto out = at::empty({tq, q.size(1)}, q.options());
   if (tq == 0) return out;
-  prefill_attention_avx512({q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), q.stride(0), k.stride(0),
-                            v.stride(0), tq, tk, num_heads, k.size(1) / d, d, q_offset, window,
-                            static_cast<float>(scale), out.data_ptr<bf16>()});
+  const PrefillAttnArgs args{q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), q.stride(0), k.stride(0),
+                             v.stride(0), tq, tk, num_heads, k.size(1) / d, d, q_offset, window,
+                             static_cast<float>(scale), out.data_ptr<bf16>()};
+  if (amx) prefill_attention_amx(args);
+  else prefill_attention_avx512(args);
   return out;
 }
 
-bool prefill_attention_available(int64_t d) { return prefill_attention_applies(d); }
+bool prefill_attention_available(int64_t d) { return amx_prefill_applies(d) || prefill_attention_applies(d); }
 
 int64_t set_prefill_attention(int64_t mode) {
-  TORCH_CHECK(mode >= -1 && mode <= 1, "prefill attention mode must be -1 (auto), 0 (off) or 1 (on), got ", mode);
+  TORCH_CHECK(mode >= -1 && mode <= 2, "prefill attention mode must be -1 (auto), 0 (off), 1 (the AVX512-BF16 kernel) ",
+              "or 2 (the AMX kernel), got ", mode);
   const int64_t previous = g_prefill_attention;
   g_prefill_attention = static_cast<int>(mode);
   return previous;
@@ -462,7 +467,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_split_attention", [](int64_t on) { return std::exchange(g_split_attention, on != 0); },
         "set_split_attention(1|0) -> previous (0: long decode contexts in one pass, as short ones; tests)");
   m.def("set_prefill_attention", &set_prefill_attention,
-        "set_prefill_attention(-1 auto | 0 off | 1 on where AVX512-BF16 exists) -> previous (tests)");
+        "set_prefill_attention(-1 auto | 0 off | 1 AVX512-BF16 kernel | 2 AMX kernel) -> previous (tests)");
   m.def("silu_and_mul", &silu_and_mul, "silu_and_mul(x [T, 2d]) -> [T, d]");
   m.def("set_isa_limit", &set_isa_limit, "set_isa_limit(level) -> previous (0 scalar, 1 AVX2+FMA, 2 AVX512)");
   m.def("set_amx_attention", &set_amx_attention, "set_amx_attention(1|0) -> previous (tests: 0 = the AVX512 kernels)");
