@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -221,3 +225,23 @@ def test_dual_layout_budget_rejects_negative(monkeypatch):
     monkeypatch.setenv("ASCENT_CPU_DUAL_LAYOUT_BYTES", "-1")
     with pytest.raises(ValueError, match="ASCENT_CPU_DUAL_LAYOUT_BYTES"):
         cpu_packing.dual_layout_budget_bytes()
+
+
+def _cpu_vendor() -> str:
+    with open("/proc/cpuinfo") as info:
+        return next(line.split(":", 1)[1].strip() for line in info if line.startswith("vendor_id"))
+
+
+def test_stream_prefetch_follows_the_cpu_vendor(gemv) -> None:
+    """The AVX2 row kernels prefetch their weight streams with NTA on AMD CPUs and with the T0 + T1 pair elsewhere
+    (stream_prefetch.h), unless ASCENT_CPU_NTA_PREFETCH forces one (read once per process)."""
+    if os.environ.get("ASCENT_CPU_NTA_PREFETCH") in ("0", "1"):
+        assert gemv.nta_prefetch() == (os.environ["ASCENT_CPU_NTA_PREFETCH"] == "1")
+    else:
+        assert gemv.nta_prefetch() == (_cpu_vendor() == "AuthenticAMD")
+    code = "from ascent.layers import cpu_kernels; print(cpu_kernels.gemv_ops().nta_prefetch())"
+    for value, want in (("1", "True"), ("0", "False")):
+        env = {**os.environ, "ASCENT_CPU_NTA_PREFETCH": value}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().splitlines()[-1] == want

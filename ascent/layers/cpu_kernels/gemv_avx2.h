@@ -47,9 +47,10 @@ constexpr int64_t kSeqPrefetchNta = 896;  // the row sweep's non-temporal prefet
 // One W row (n) against MS x rows from m0, reading the row front to back, 32 values per step into four fp32
 // accumulators per x row (two for 3-4 x rows, to stay within 16 registers). Rows are contiguous, so prefetching a
 // fixed distance ahead also covers the next row: on a Zen 2 (K = 576 and 1536, DRAM-resident weights, 2 threads) this
-// sweep streamed 22-24 GB/s where the 4-row blocks reached 18-19 GB/s (torch fp32 sum: 27-28 GB/s). One
+// sweep streamed 22-24 GB/s where the 4-row blocks reached 18-19 GB/s (torch fp32 sum: 27-28 GB/s). On AMD CPUs one
 // non-temporal prefetch per cache line kSeqPrefetchNta bytes ahead instead of the T0 1 KiB + T1 4 KiB pair: the 120
-// linears of a SmolLM2-135M step 0.81-0.85x the time (28-29 GB/s; distances 640-1280 B alike, 2048 B 0.99x).
+// linears of a SmolLM2-135M step 0.81-0.85x the time (28-29 GB/s; distances 640-1280 B alike, 2048 B 0.99x); on
+// Intel CPUs the pair (stream_prefetch.h).
 template <typename T, bool kIsHalf, int MS>
 __attribute__((target("avx2,fma,f16c"))) void gemv_row_seq_avx2(const GemvArgs& a, int64_t n, int64_t m0) {
   const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.k;
@@ -58,9 +59,10 @@ __attribute__((target("avx2,fma,f16c"))) void gemv_row_seq_avx2(const GemvArgs& 
   constexpr int NA = MS <= 2 ? 4 : 2;  // accumulators per x row (16 ymm registers: MS * NA + 4 W + 2 x)
   __m256 acc[MS][NA];
   zero_accumulators(acc);
+  const bool nta = ascent_prefetch::nta_streams();
   int64_t i = 0;
   for (; i + 32 <= a.k; i += 32) {
-    _mm_prefetch(wb + 2 * i + kSeqPrefetchNta, _MM_HINT_NTA);
+    ascent_prefetch::stream_line(wb + 2 * i, nta, kSeqPrefetchNta);
     __m256 w0, w1, w2, w3;
     split16_256<kIsHalf>(w + i, w0, w1);
     split16_256<kIsHalf>(w + i + 16, w2, w3);

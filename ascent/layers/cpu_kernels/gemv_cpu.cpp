@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "stream_prefetch.h"
+
 namespace {
 
 constexpr int64_t kRowBlock = 4;   // output rows per block (W rows streamed together)
@@ -299,6 +301,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_path", &bf16_dot_path, "bf16_dot_path() -> whether bf16 takes the AVX512-BF16 path");
   m.def("kernel_path", &kernel_path, "kernel_path(half) -> the path fp16 (half) or bf16 calls take now",
         py::arg("half"));
+  m.def("nta_prefetch", [] { return ascent_prefetch::nta_streams(); },
+        "nta_prefetch() -> whether the AVX2 row kernels stream with NTA prefetches (AMD CPUs; stream_prefetch.h)");
   m.def("set_isa_limit", &set_gemv_isa_limit, "set_isa_limit(level) -> previous (0 scalar, 1 AVX2, 2 AVX512F, "
         "3 AVX512-BF16; tests lower it to cover every path)");
 }

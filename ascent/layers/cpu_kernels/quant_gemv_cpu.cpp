@@ -27,6 +27,7 @@
 #include <torch/extension.h>
 
 #include "amx_tiles.h"
+#include "stream_prefetch.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>

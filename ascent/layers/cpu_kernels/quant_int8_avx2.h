@@ -6,7 +6,8 @@
 // sums are exact and equal the generic path's. Per 32 weights: 2 sign-extending loads, 2 VPMADDWD (x straight from
 // L1), 2 adds; widening x per weight row instead (as before) doubled the work of a batch-1 row and held the W8A8
 // decode sweep at ~24 GB/s from L3 against the bf16 GEMV's 45. Each weight row is read front to back, one row after
-// the other (one sequential stream per thread) with a non-temporal prefetch kInt8PrefetchNta bytes ahead. Measured on
+// the other (one sequential stream per thread) with a non-temporal prefetch kInt8PrefetchNta bytes ahead on AMD CPUs
+// (stream_prefetch.h; Intel CPUs take the T0 1 KiB + T1 4 KiB pair). Measured on
 // a Zen 2 (2 threads, the 120 linears of a SmolLM2-135M decode step, DRAM-resident, interleaved in one process)
 // against the weight-only kernels' T0 1 KiB + T1 4 KiB prefetches: W8A8 0.80-0.86x the time, W8A16 (its fixed-point
 // kernel shares i8_span_avx2) 0.87x; NTA distances 640-1024 B were alike, 512 / 1280-1536 / 4096 B 0.87-0.88x, and
@@ -35,9 +36,10 @@ __attribute__((target("avx2,fma"))) inline void i8_span_avx2(const int8_t* w, co
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   };
   auto xs = [&](int m, int64_t k) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * ldx + k)); };
+  const bool nta = ascent_prefetch::nta_streams();
   int64_t k = k0;
   for (; k + 32 <= k1; k += 32) {
-    if ((k & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k + kInt8PrefetchNta), _MM_HINT_NTA);
+    if ((k & 63) == 0) ascent_prefetch::stream_line(reinterpret_cast<const char*>(w + k), nta, kInt8PrefetchNta);
     const __m256i w0 = widen(w + k), w1 = widen(w + k + 16);
 #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m) {

@@ -220,7 +220,8 @@ ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void wo_fixed_rows_av
 // strides, one broadcast scale serves a row's half. Measured on a Zen 2 (1 thread, L2-resident, 576-column rows,
 // group 64): 31 ns per row for the general kernel (its per-half lane lookups and two-group selects) against 20 ns.
 // kBlocked (R = kRowBlock): the block's rows in the blocked layout (w4a16_block_pack: per half the 4 rows' 32 bytes
-// side by side, so a thread reads one sequential stream) with a non-temporal prefetch kBlockedPrefetch bytes ahead.
+// side by side, so a thread reads one sequential stream) with a non-temporal prefetch kBlockedPrefetch bytes ahead on
+// AMD CPUs, the T0 1 KiB + T1 4 KiB pair elsewhere (stream_prefetch.h).
 template <int R, int MB, bool kGrouped, bool kZero, bool kBlocked = false>
 ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void wo_fixed_rows64_avx2(const WoVnniArgs& a, int64_t n,
                                                                                     int64_t m0, float* acc) {
@@ -233,13 +234,14 @@ ASCENT_WO_FIXED_AVX2 __attribute__((always_inline)) inline void wo_fixed_rows64_
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) y[r][m] = _mm256_setzero_ps();
   int64_t g = 0, left = per_group;
+  const bool nta = kBlocked && ascent_prefetch::nta_streams();
   for (int64_t hf = 0; hf < halves; ++hf) {
     __m256i xv[MB][4], c[MB];
     fixed_x_half<MB>(a, m0, hf, xv, c);
     if constexpr (kBlocked) {  // the two cache lines of this half's 128 bytes, kBlockedPrefetch ahead
-      const char* ahead = reinterpret_cast<const char*>(w + 32 * R * hf + kBlockedPrefetch);
-      _mm_prefetch(ahead, _MM_HINT_NTA);
-      _mm_prefetch(ahead + 64, _MM_HINT_NTA);
+      const char* here = reinterpret_cast<const char*>(w + 32 * R * hf);
+      ascent_prefetch::stream_line(here, nta, kBlockedPrefetch);
+      ascent_prefetch::stream_line(here + 64, nta, kBlockedPrefetch);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
