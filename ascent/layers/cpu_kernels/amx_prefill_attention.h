@@ -118,8 +118,8 @@ ASCENT_AMX_ATTENTION void chunk_scores(const uint16_t* q_rows, int64_t q_stride_
 #define ASCENT_AVX512_BF16_FMA __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
 // 2^x on 16 lanes for x <= 0 (softmax numerators): x = n + f with n = round(x), |f| <= 1/2, 2^f by its degree-5
-// Taylor polynomial (relative error < 3e-6, far below P's bf16 rounding), scaled by 2^n; 2^x underflows to 0 below
-// -126.
+// Taylor polynomial (relative error < 3e-6, far below P's bf16 rounding), scaled by 2^n; x is clamped at -127 (a
+// term below 2^-127 of the row's largest, which is 1).
 ASCENT_AVX512_BF16_FMA inline __m512 exp2_softmax(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -242,9 +242,9 @@ ASCENT_AMX_ATTENTION void attend_token_block(const PrefillAttnArgs& a, const Pac
   }
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / l[r]);  // l > 0: a row always sees its own key
+    bf16* out_row = a.out + (t0 + r) * a.heads * D + head * D;
     for (int64_t i = 0; i < D; i += 16)
-      bf16_store(a.out + (t0 + r) * a.heads * D + head * D + i, _mm512_mul_ps(_mm512_load_ps(s.acc.data() + r * D + i), inv),
-                 __mmask16(0xFFFF));
+      bf16_store(out_row + i, _mm512_mul_ps(_mm512_load_ps(s.acc.data() + r * D + i), inv), __mmask16(0xFFFF));
   }
 }
 

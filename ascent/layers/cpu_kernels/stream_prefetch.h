@@ -2,10 +2,11 @@
 // W4A16 kernel of quant_wo_fixed_avx2.h), chosen by CPU vendor. Included at global scope (before any namespace).
 //
 // On a Zen 2 (2 threads, the 120 linears of a SmolLM2-135M decode step, DRAM-resident) one non-temporal prefetch per
-// 64-byte line ~900 B ahead took 0.80-0.87x the time of a T0 1 KiB + T1 4 KiB pair. On an Intel Xeon (Emerald Rapids
-// class, the same AVX2 bf16 GEMV forced) the NTA prefetch took 1.59x the time of the pair (12.6 against 21.7 GB/s), and a
-// plain read loop with NTA prefetches read 18-20 GB/s against 34-36 with T0 / T1 / T2. So AMD CPUs take the NTA
-// prefetch and every other CPU the T0 + T1 pair; ASCENT_CPU_NTA_PREFETCH=1 / 0 (read once) forces either.
+// 64-byte line ~900 B ahead took 0.80-0.87x the time of a T0 1 KiB + T1 4 KiB pair. On an Intel Xeon (Emerald
+// Rapids class, the AVX2 paths forced) NTA took 1.59-1.64x the time of the pair for the bf16 GEMV (12.6 against 21.7
+// GB/s), 1.69x for W8A8 and 1.12x for blocked W4A16, and a plain read loop with NTA prefetches read 18-20 GB/s against
+// 34-36 with T0 / T1 / T2. So AMD CPUs take the NTA prefetch and every other CPU the T0 + T1 pair;
+// ASCENT_CPU_NTA_PREFETCH=1 / 0 (read once) forces either.
 #pragma once
 #include <immintrin.h>
 
