@@ -12,8 +12,8 @@
 //            query head of the group, the 16 token rows are the A tiles straight from q;
 //   scores:  S [16 rows][keys] = Q . K^T, two 16-key tiles in flight, stored as rows (no transposes);
 //   softmax: per chunk of kChunkKeys keys, online over chunks (running max m, sum l, output rescaled by
-//            exp(m_old - m_new)); P rounded to bf16 (as torch's flash kernel and the AVX512 kernel do for bf16), the
-//            sum taken over the unrounded values;
+//            exp(m_old - m_new)), in base 2 with exp2_512 (avx512_bf16.h); P rounded to bf16 (as torch's flash
+//            kernel and the AVX512 kernel do for bf16), the sum taken over the unrounded values;
 //   values:  O [16 rows][d] = P . V, up to four 16-dim output tiles per pass; out = O / l rounded once to bf16.
 // Query i sits at position q_offset + i and sees keys j <= q_offset + i (and j > q_offset + i - window when
 // window > 0); tk == q_offset + tq. Scores are exact bf16 products summed in fp32, as in the other kernels; only the
@@ -117,22 +117,6 @@ ASCENT_AMX_ATTENTION void chunk_scores(const uint16_t* q_rows, int64_t q_stride_
 
 #define ASCENT_AVX512_BF16_FMA __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
-// 2^x on 16 lanes for x <= 0 (softmax numerators): x = n + f with n = round(x), |f| <= 1/2, 2^f by its degree-5
-// Taylor polynomial (relative error < 3e-6, far below P's bf16 rounding), scaled by 2^n; x is clamped at -127 (a
-// term below 2^-127 of the row's largest, which is 1).
-ASCENT_AVX512_BF16_FMA inline __m512 exp2_softmax(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.3333558e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Online-softmax step of one row over the chunk's keys [c0, c0 + n) (n = 32 * blocks), of which [lo, hi) are the
 // row's own: P (bf16, 0 elsewhere) into the P tiles' row; returns alpha, the factor of the earlier output. Works in
 // base 2: m is the running max of scale * log2(e) * s, P = 2^(scale * log2(e) * s - m) = exp(scale * s - m ln 2).
@@ -155,7 +139,7 @@ ASCENT_AVX512_BF16_FMA float chunk_softmax_row(const float* s, int64_t c0, int64
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 keys = static_cast<__mmask16>(lanes_below(b - j) & ~lanes_below(a - j));
-    const __m512 e = _mm512_maskz_mov_ps(keys, exp2_softmax(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vscale, mv)));
+    const __m512 e = _mm512_maskz_mov_ps(keys, exp2_512(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vscale, mv)));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_row + (j / 32) * 512 + j % 32), (__m256i)_mm512_cvtneps_pbh(e));
   }

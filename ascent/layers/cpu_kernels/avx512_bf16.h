@@ -89,10 +89,10 @@ ASCENT_AVX512 void add_rms_norm_row_avx512(const bf16* x, const bf16* res, const
 // out[j] = round(round(silu(g[j])) * g[d + j]) for one row.
 #define ASCENT_AVX512_FMA __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
-// exp(-a) on 16 lanes as 2^x, x = -a log2(e) clamped to [-126, 127]: x = n + f (n = round(x), |f| <= 1/2), 2^f by its
-// degree-6 Taylor polynomial in FMAs (relative error < 2e-7), scaled by 2^n with VSCALEFPS. NaN stays NaN.
-ASCENT_AVX512_FMA inline __m512 exp_neg512(__m512 a) {
-  __m512 x = _mm512_mul_ps(a, _mm512_set1_ps(-1.44269504088896341f));
+// 2^x on 16 lanes, x clamped to [-126, 127] (a NaN x reads as -126): x = n + f (n = round(x), |f| <= 1/2), 2^f by
+// its degree-6 Taylor polynomial in FMAs (relative error < 2e-7), scaled by 2^n with VSCALEFPS. Shared by the SiLU
+// below and the AMX prefill attention's softmax (amx_prefill_attention.h).
+ASCENT_AVX512_FMA inline __m512 exp2_512(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.f)), _mm512_set1_ps(127.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
@@ -104,6 +104,11 @@ ASCENT_AVX512_FMA inline __m512 exp_neg512(__m512 a) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+
+// exp(-a) = 2^(-a log2(e)) (a NaN a gives 2^-126; silu_and_mul_row_avx512 multiplies by a, which keeps the NaN).
+ASCENT_AVX512_FMA inline __m512 exp_neg512(__m512 a) {
+  return exp2_512(_mm512_mul_ps(a, _mm512_set1_ps(-1.44269504088896341f)));
 }
 
 // silu(a) = a / (1 + exp(-a)) rounded to bf16, times the up half, rounded again (F.silu(a) * b in bf16). The quotient
