@@ -37,7 +37,6 @@ struct AmxPrefillScratch {
   AlignedVector<float> o;       // this chunk's P . V [16][d]
   AlignedVector<float> acc;     // running output [16][d]
   AlignedVector<uint16_t> q;    // a partial token block's query rows, zero padded [16][d]
-  AlignedVector<float> block;   // 16 key rows' 32-dim chunk, gathered for the transpose [16][16]
 };
 
 // K^T and V B tiles of every KV head: kt[h][16-key block][d / 32][256 pairs], vt[h][32-key block][d / 16][512].

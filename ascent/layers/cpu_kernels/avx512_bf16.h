@@ -86,7 +86,6 @@ ASCENT_AVX512 void add_rms_norm_row_avx512(const bf16* x, const bf16* res, const
   rms_norm_row_avx512(srow, w, y, h, eps);
 }
 
-// out[j] = round(round(silu(g[j])) * g[d + j]) for one row.
 #define ASCENT_AVX512_FMA __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
 // 2^x on 16 lanes, x clamped to [-126, 127] (a NaN x reads as -126): x = n + f (n = round(x), |f| <= 1/2), 2^f by
@@ -111,9 +110,9 @@ ASCENT_AVX512_FMA inline __m512 exp_neg512(__m512 a) {
   return exp2_512(_mm512_mul_ps(a, _mm512_set1_ps(-1.44269504088896341f)));
 }
 
-// silu(a) = a / (1 + exp(-a)) rounded to bf16, times the up half, rounded again (F.silu(a) * b in bf16). The quotient
-// is a times 1 / (1 + e) from VRCP14PS and one Newton step (relative error ~1e-7, as the exp): VDIVPS costs 16 cycles
-// per vector here, more than the rest of the row's work.
+// out[j] = round(round(silu(g[j])) * g[d + j]) for one row (F.silu(a) * b in bf16), silu(a) = a / (1 + exp(-a)). The
+// quotient is a times 1 / (1 + e) from VRCP14PS and one Newton step (relative error ~1e-7, as the exp): VDIVPS costs
+// 16 cycles per vector here, more than the rest of the row's work.
 ASCENT_AVX512_FMA void silu_and_mul_row_avx512(const bf16* g, bf16* out, int64_t d) {
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t j = 0; j < d; j += 16) {
