@@ -185,25 +185,26 @@ def dual_layout_budget_bytes(default_only: bool = False) -> int:
         return 0
 
 
-# Quantized layers' AMX-INT8 tile copies beside their int8 weights (W8A8 schemes, W8A16 per channel).
-INT8_AMX_COPIES = ("w8a8_amx", "wo_amx")
+# Quantized layers' AMX tile copies beside their integer weights: AMX-INT8 (W8A8 schemes, W8A16 per channel) and the
+# int4 tiles of W4A16 (``quantization/w4_amx.py``).
+QUANT_AMX_COPIES = ("w8a8_amx", "wo_amx", "wo_amx4")
 
 
 def limit_dual_layouts(model: nn.Module, budget_bytes: int | None = None) -> int:
     """After loading: if the second copies kept beside oneDNN-packed weights (plain rows for the small-M kernel,
     ``layer.small_m_ops`` set; AMX tiles, ``layer.amx_weight``) and beside int8 weights (AMX-INT8 tiles,
-    ``INT8_AMX_COPIES``; the row-interleaved copies of W8A8, ``layer.w8a8_gemv.nv``, and W8A16, ``layer.wo_gemv.nv``)
+    ``QUANT_AMX_COPIES``; the row-interleaved copies of W8A8, ``layer.w8a8_gemv.nv``, and W8A16, ``layer.wo_gemv.nv``)
     exceed the budget, release them all so the model costs no more memory than packed-only. Returns the bytes kept."""
     packed = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
     plain = [m for m in packed
              if getattr(m, "small_m_ops", None) is not None and getattr(m, "owns_plain_weight", False)]
     amx = [m for m in packed if getattr(m, "amx_weight", None) is not None]
-    amx_int8 = [(m, name) for m in model.modules() for name in INT8_AMX_COPIES if getattr(m, name, None) is not None]
+    amx_quant = [(m, name) for m in model.modules() for name in QUANT_AMX_COPIES if getattr(m, name, None) is not None]
     int8_nv = [g for m in model.modules() if (g := getattr(m, "w8a8_gemv", None)) is not None and g.nv is not None]
     w8a16_nv = [g for m in model.modules()
                 if (g := getattr(m, "wo_gemv", None)) is not None and g.nv is not None and g.bits == 8]
     kept = (sum(m.weight.numel() * m.weight.element_size() for m in plain) + sum(m.amx_weight.nbytes for m in amx)
-            + sum(getattr(m, name).nbytes for m, name in amx_int8) + sum(g.nv.numel() for g in int8_nv)
+            + sum(getattr(m, name).nbytes for m, name in amx_quant) + sum(g.nv.numel() for g in int8_nv)
             + sum(g.nv.packed.numel() for g in w8a16_nv))
     if kept <= (dual_layout_budget_bytes() if budget_bytes is None else budget_bytes):
         return kept
@@ -212,7 +213,7 @@ def limit_dual_layouts(model: nn.Module, budget_bytes: int | None = None) -> int
         module.small_m_ops = None
     for module in amx:
         module.amx_weight = None
-    for module, name in amx_int8:
+    for module, name in amx_quant:
         setattr(module, name, None)
     for gemv in int8_nv + w8a16_nv:  # the row-layout kernels keep serving M up to their own limits
         gemv.nv = None

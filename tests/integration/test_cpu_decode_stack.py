@@ -155,3 +155,28 @@ def test_quantized_stack_beyond_four_rows_equals_module_path(tmp_path, monkeypat
 
     if "vnni" in quant_ops().isa():
         assert stack.largest_step == len(prompts)  # every decode step of the batch ran in the stack
+
+
+def test_w4a16_stack_on_amx_tiles_equals_module_path(tmp_path, monkeypatch):
+    """On AMX CPUs the W4A16 projections join the stack with their AMX-BF16 tiles above ``W4_AMX_MIN_M`` rows
+    (``quantization/w4_amx.py``): a 17-sequence batch runs every decode step in the stack, with the module path's
+    values."""
+    from ascent.layers.cpu_kernels import amx_ops
+    from ascent.models.decode_stack import linear_call
+    from ascent.quantization import kernels
+    from ascent.quantization.export.quantize import quantize_model
+
+    monkeypatch.setenv("ASCENT_CPU_AMX", "1")
+    float_dir = build_model("llama", tmp_path / "float", seed=9, hidden_size=128, intermediate_size=256,
+                            head_dim=32)
+    quant_dir = str(tmp_path / "w4a16")
+    quantize_model(str(float_dir), "w4a16", "compressed-tensors", quant_dir, group_size=32, calib_tokens=64,
+                   dtype="bfloat16")
+    prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS] + ["one more prompt"]
+    fused, stack, _ = _run(quant_dir, monkeypatch, "1", prompts=prompts)
+    plain, _, _ = _run(quant_dir, monkeypatch, "0", prompts=prompts)
+    assert fused == plain
+    kinds = {linear_call(layer.self_attn.qkv_proj)[0] for layer in stack.model.layers}
+    if amx_ops() is not None:
+        assert kinds == {kernels.STACK_KIND_W4A16_AMX}
+        assert stack.largest_step == len(prompts)  # every decode step of the batch ran in the stack

@@ -16,6 +16,7 @@ from ascent.quantization import kernels
 from ascent.quantization.base import QuantSpec
 from ascent.quantization.packing import pack_to_int32
 from ascent.quantization.wo_nv import NV_ENV, nv_rows
+from ascent.quantization.w4_amx import W4_AMX_MIN_M
 from tests.unit.quant.scheme_utils import SpecConfig, finish, load
 from tests.unit.test_quant_gemv_kernels import ULP, assert_close, gen, isa_ops, operands, ref_weight_only
 
@@ -197,6 +198,9 @@ def test_w4a16_takes_the_layout(ops, monkeypatch, symmetric, dtype):
         assert nv.scale.dtype == torch.float32  # the test's fp32 scales are no bf16 values: kept exact
         assert layer.wo_packed is None  # the int4pack copy is dropped: the kernels take its M range
         kind, tensors, ints = layer.quant_method.scheme.decode_stack_call(layer)
+        if layer.wo_amx4 is not None:  # bf16 on an AMX CPU: the tiles above W4_AMX_MIN_M rows, this layout below
+            assert kind == kernels.STACK_KIND_W4A16_AMX and ints[:2] == [W4_AMX_MIN_M, kernels.STACK_KIND_WO_NV]
+            kind, tensors, ints = ints[1], tensors[3:], ints[2:]
         assert kind == kernels.STACK_KIND_WO_NV and ints == [4, N_OUT, K_IN] and len(tensors) == 6
     for m in range(1, layer.wo_gemv.max_m + 1):
         x = torch.randn(m, K_IN, generator=gen(m)).to(dtype)

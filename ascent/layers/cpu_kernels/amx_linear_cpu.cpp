@@ -18,6 +18,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <vector>
 
 #include "amx_tiles.h"
 
@@ -72,11 +74,25 @@ __attribute__((target("avx512f,avx512bw"))) void store_rows(const Operands& o, c
   }
 }
 
+// The weight side of the tile loop: packed bf16 tiles read in place (amx_pack). A source gives the 1 KiB B tile of
+// K step k of column block nb + b (`tile`, b in {0, 1}) and is called before each K step of every row block
+// (`before_step`, `first` on the pair's first row block) to prefetch or produce the tiles.
+struct PackedTiles {
+  const Operands& o;
+  const char* tile(int64_t nb, int b, int64_t k) const {
+    return reinterpret_cast<const char*>(o.wp) + ((nb + b) * o.kb + k) * 1024;
+  }
+  void before_step(int64_t nb, int blocks, bool /*first*/, int64_t k) const {
+    ascent_tiles::prefetch_weight_tiles(tile(nb, 0, 0), tile(nb, 1, 0), k, blocks);
+  }
+};
+
 // y[m0 : m0 + rows0 + rows1, 16 nb : 16 (nb + blocks)] for blocks in {1, 2} column blocks; tiles configured by the
 // caller for (rows0, rows1).
-__attribute__((target("amx-tile,amx-bf16"))) void column_blocks(const Operands& o, int64_t m0, int64_t rows0,
-                                                                 int64_t rows1, int64_t nb, int blocks,
-                                                                 float* scratch) {
+template <typename Source>
+__attribute__((target("amx-tile,amx-bf16"))) void column_blocks(const Operands& o, const Source& source, int64_t m0,
+                                                                 int64_t rows0, int64_t rows1, int64_t nb,
+                                                                 int blocks, bool first, float* scratch) {
   _tile_zero(4);
   _tile_zero(5);
   _tile_zero(6);
@@ -84,15 +100,13 @@ __attribute__((target("amx-tile,amx-bf16"))) void column_blocks(const Operands& 
   const int64_t xstride = o.ldx * 2;
   const char* a0 = reinterpret_cast<const char*>(o.x + m0 * o.ldx);
   const char* a1 = reinterpret_cast<const char*>(o.x + (m0 + kRowsPerTile) * o.ldx);
-  const char* b0 = reinterpret_cast<const char*>(o.wp + nb * o.kb * 512);
-  const char* b1 = b0 + o.kb * 1024;
   for (int64_t k = 0; k < o.kb; ++k) {
-    ascent_tiles::prefetch_weight_tiles(b0, b1, k, blocks);
+    source.before_step(nb, blocks, first, k);
     _tile_loadd(0, a0 + k * 64, xstride);
-    _tile_loadd(2, b0 + k * 1024, 64);
+    _tile_loadd(2, source.tile(nb, 0, k), 64);
     _tile_dpbf16ps(4, 0, 2);
     if (blocks == 2) {
-      _tile_loadd(3, b1 + k * 1024, 64);
+      _tile_loadd(3, source.tile(nb, 1, k), 64);
       _tile_dpbf16ps(5, 0, 3);
     }
     if (rows1 > 0) {
@@ -110,10 +124,11 @@ __attribute__((target("amx-tile,amx-bf16"))) void column_blocks(const Operands& 
 }
 
 // All rows of x for the column-block pairs [pair_begin, pair_end): per pair, every 32-row block in turn, so the pair's
-// weight tiles come from memory once (later row blocks find them in L1/L2). The tile configuration changes only for
-// a partial last row block.
-__attribute__((target("amx-tile,amx-bf16"))) void pair_range(const Operands& o, int64_t m, int64_t pair_begin,
-                                                              int64_t pair_end) {
+// weight tiles come from memory (or are produced) once and later row blocks find them in L1/L2. The tile
+// configuration changes only for a partial last row block.
+template <typename Source>
+__attribute__((target("amx-tile,amx-bf16"))) void pair_range(const Operands& o, const Source& source, int64_t m,
+                                                              int64_t pair_begin, int64_t pair_end) {
   alignas(64) float scratch[32 * 32];
   const int64_t nblocks = o.n / 16;
   int64_t configured = -1;  // rows of the loaded configuration
@@ -127,7 +142,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void pair_range(const Operands& o, 
         configured = rows;
       }
       const int64_t rows0 = std::min(rows, kRowsPerTile);
-      column_blocks(o, m0, rows0, rows - rows0, nb, nb + 1 < nblocks ? 2 : 1, scratch);
+      column_blocks(o, source, m0, rows0, rows - rows0, nb, nb + 1 < nblocks ? 2 : 1, m0 == 0, scratch);
     }
   }
   _tile_release();
@@ -216,9 +231,12 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
     return y.view(sizes);
   }
   const int64_t pairs = (n / 16 + 1) / 2;
-  at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { pair_range(o, m, begin, end); });
+  const PackedTiles source{o};
+  at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { pair_range(o, source, m, begin, end); });
   return y.view(sizes);
 }
+
+#include "amx_w4_linear.h"
 
 }  // namespace ascent_amx
 
@@ -229,5 +247,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_pack", &amx_pack, "amx_pack(W bf16 [N, K]) -> packed B tiles [N/16, K/32, 16, 32]");
   m.def("amx_linear", &amx_linear, "amx_linear(x bf16 [..., K], wp, bias, float_out=False) -> bf16 (or fp32) [..., N]",
         py::arg("x"), py::arg("wp"), py::arg("bias"), py::arg("float_out") = false);
+  m.def("amx_w4_pack", &amx_w4_pack, "amx_w4_pack(q int8 [N, K], scale fp32 [N, G], zero fp32 [N, G] | None) -> "
+        "(nib uint8 [N/16, K/32, 16, 16], coef fp32 [N/16, G, 2, 16])");
+  m.def("amx_w4_linear", &amx_w4_linear, "amx_w4_linear(x bf16 [..., K], nib, coef, bias) -> bf16 [..., N]");
 }
 #endif  // ASCENT_EMBEDDED_KERNELS

@@ -111,7 +111,10 @@ class WeightOnlyLinear(QuantLinearScheme):
         gemv = getattr(layer, "wo_gemv", None)
         if gemv is None:
             return None
-        return gemv.stack_spec(getattr(layer, "bias", None), getattr(layer, "wo_amx", None))
+        bias = getattr(layer, "bias", None)
+        spec = gemv.stack_spec(bias, getattr(layer, "wo_amx", None))
+        amx4 = getattr(layer, "wo_amx4", None)
+        return amx4.stack_spec(spec, gemv.max_m, bias) if amx4 is not None else spec
 
     def gemv_weight(self, layer: nn.Module) -> torch.Tensor:
         """The weight operand of the small-M kernel: int8 values [N, K] (shared with the int8pack operand)."""
@@ -144,6 +147,9 @@ class WeightOnlyLinear(QuantLinearScheme):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if use_reference(self):
             return self.apply_reference(layer, x, bias)
+        amx4 = getattr(layer, "wo_amx4", None)
+        if amx4 is not None and amx4.takes(x):
+            return amx4.linear(x, bias)
         gemv = getattr(layer, "wo_gemv", None)
         if gemv is not None and gemv_fits(x, gemv.max_m):
             return gemv.linear(x, bias)
