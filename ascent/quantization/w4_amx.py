@@ -9,10 +9,10 @@ per weight at group 64) is kept beside the layer's other int4 layout and counted
 ``cpu_packing.limit_dual_layouts``.
 
 Measured on a Xeon with AMX (SmolLM2's 120 decode linears, group 64, 2 threads, interleaved medians, ms; this
-kernel | the row-interleaved int4 kernel | the dequantize-once oneDNN-packed bf16 weight): M = 4: 7.8 | 5.0 | -;
-8: 7.7 | 7.3 | -; 16: 8.1 | 12.1 | -; 32: 8.6 | 24.8 | 15.6; 64: 12.8 | 39.8 | 20.6; 128: 18.5 | - | 24.0; 256:
-32.6 | - | 33.3. So it takes M in (``W4_AMX_MIN_M``, ``W4_AMX_MAX_M``]; ``ASCENT_CPU_AMX=0`` (read at load)
-disables it.
+kernel | the row-interleaved int4 kernel | the dequantize-once oneDNN-packed bf16 weight | amx_linear on that bf16
+weight): M = 4: 6.3 | 4.5 | 12.1 | 7.9; 8: 6.4 | 6.4 | 12.0 | 8.2; 16: 6.9 | 10.6 | 12.1 | 8.3; 32: 8.1 | 18.7 |
+14.3 | 8.7; 64: 13.0 | 35.1 | 17.4 | 12.6; 128: 19.2 | - | 22.8 | 20.2; 256: 33.5 | - | 34.4 | 35.0. So it takes M in
+(``W4_AMX_MIN_M``, ``W4_AMX_MAX_M``]; ``ASCENT_CPU_AMX=0`` (read at load) disables it.
 """
 
 from __future__ import annotations

@@ -74,17 +74,18 @@ __attribute__((target("avx512f,avx512bw"))) void store_rows(const Operands& o, c
   }
 }
 
-// The weight side of the tile loop: packed bf16 tiles read in place (amx_pack). A source gives the 1 KiB B tile of
-// K step k of column block nb + b (`tile`, b in {0, 1}) and is called before each K step of every row block
-// (`before_step`, `first` on the pair's first row block) to prefetch or produce the tiles.
+// The weight side of the tile loop: packed bf16 tiles read in place (amx_pack). A source places the 1 KiB B tile of
+// K step k of column block nb + b at tiles(nb) + b * block_bytes() + (k & step_mask()) * 1024 (a step mask of all ones
+// for a whole panel, size - 1 for a ring of a power-of-two size); the loop prefetches them from memory
+// (kPrefetchTiles) or calls the source before each K step of every row block (`before_step`, `first` on the pair's
+// first row block) to produce them.
 struct PackedTiles {
+  static constexpr bool kPrefetchTiles = true;
   const Operands& o;
-  const char* tile(int64_t nb, int b, int64_t k) const {
-    return reinterpret_cast<const char*>(o.wp) + ((nb + b) * o.kb + k) * 1024;
-  }
-  void before_step(int64_t nb, int blocks, bool /*first*/, int64_t k) const {
-    ascent_tiles::prefetch_weight_tiles(tile(nb, 0, 0), tile(nb, 1, 0), k, blocks);
-  }
+  const char* tiles(int64_t nb) const { return reinterpret_cast<const char*>(o.wp) + nb * o.kb * 1024; }
+  int64_t block_bytes() const { return o.kb * 1024; }
+  int64_t step_mask() const { return -1; }
+  void before_step(int64_t /*nb*/, int /*blocks*/, bool /*first*/, int64_t /*k*/) const {}
 };
 
 // y[m0 : m0 + rows0 + rows1, 16 nb : 16 (nb + blocks)] for blocks in {1, 2} column blocks; tiles configured by the
@@ -100,13 +101,17 @@ __attribute__((target("amx-tile,amx-bf16"))) void column_blocks(const Operands& 
   const int64_t xstride = o.ldx * 2;
   const char* a0 = reinterpret_cast<const char*>(o.x + m0 * o.ldx);
   const char* a1 = reinterpret_cast<const char*>(o.x + (m0 + kRowsPerTile) * o.ldx);
+  const char* b0 = source.tiles(nb);
+  const char* b1 = b0 + source.block_bytes();
+  const int64_t mask = source.step_mask();
   for (int64_t k = 0; k < o.kb; ++k) {
+    if (Source::kPrefetchTiles) ascent_tiles::prefetch_weight_tiles(b0, b1, k, blocks);
     source.before_step(nb, blocks, first, k);
     _tile_loadd(0, a0 + k * 64, xstride);
-    _tile_loadd(2, source.tile(nb, 0, k), 64);
+    _tile_loadd(2, b0 + (k & mask) * 1024, 64);
     _tile_dpbf16ps(4, 0, 2);
     if (blocks == 2) {
-      _tile_loadd(3, source.tile(nb, 1, k), 64);
+      _tile_loadd(3, b1 + (k & mask) * 1024, 64);
       _tile_dpbf16ps(5, 0, 3);
     }
     if (rows1 > 0) {

@@ -11,9 +11,9 @@
 // amx_linear's on that weight, bit for bit.
 //
 // Measured on a Xeon with AMX (SmolLM2's 120 decode linears, group 64, 2 threads, interleaved medians, ms; this
-// kernel | amx_linear on the bf16 weight | the row-interleaved W4A16 kernel): M = 4: 7.8 | 9.5 | 5.0; 8: 7.7 | 9.5 |
-// 7.3; 16: 8.1 | 10.9 | 12.1; 32: 11.2 | 13.3 | 24.8; 48: 13.1 | 14.8 | 30.4; 64: 14.1 | 15.2 | 39.8; 96: 20.0 |
-// 19.2 | 60.9. The dequantization, about 8 ALU operations per 32 weights, is most of the time.
+// kernel | amx_linear on the bf16 weight | the row-interleaved W4A16 kernel): M = 4: 6.3 | 7.9 | 4.5; 8: 6.4 | 8.2 |
+// 6.4; 16: 6.9 | 8.3 | 10.6; 32: 8.1 | 8.7 | 18.7; 64: 13.0 | 12.6 | 35.1; 128: 19.2 | 20.2 | -; 256: 33.5 | 35.0 |
+// -. The dequantization, about 8 ALU operations per 32 weights, is most of the time.
 //
 // Packed layout (amx_w4_pack): nib[nb][kb][r][j], uint8 [N/16, K/32, 16, 16]. Row r of the B tile of (nb, kb) has the
 // 32 positions p = 2 c + t <-> W[16 nb + c][32 kb + 2 r + t]; byte j holds u(p = j) in its low nibble and
@@ -33,7 +33,8 @@ constexpr int64_t kNibblePrefetchNear = 1024;
 constexpr int64_t kNibblePrefetchFar = 8192;
 constexpr int64_t kCoefPrefetchAhead = 256;
 // K steps of dequantized tiles kept when x has at most one 32-row block (the panel then only has to outlive the tile
-// loads one step later): 8 KiB that stay in L1 instead of a whole panel whose lines are written once from L2.
+// loads one step later): 8 KiB that stay in L1 instead of a whole panel whose lines are written once from L2. A power
+// of two (the tile loop masks the step).
 constexpr int64_t kRingSteps = 4;
 
 // The 16 rows of one B tile: 256 nibble bytes at src -> 1 KiB of bf16 at dst; coef: the tile's group's 16 scales and
@@ -72,6 +73,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void dequant_w4_tile(cons
 // The tile loop's weight source for an int4 weight: the pair's tiles are produced into `panel` during the first
 // 32-row block of x, one K step ahead of their loads, and reused by the other row blocks.
 struct W4Tiles {
+  static constexpr bool kPrefetchTiles = false;  // the panel is produced in L1; dequant_w4_tile prefetches its input
   const Operands& o;
   const uint8_t* nib;    // [N/16, K/32, 16, 16]
   const float* coef;     // [N/16, G, 2, 16]
@@ -80,7 +82,9 @@ struct W4Tiles {
   char* panel;           // this thread's: [2, steps, 16, 32] bf16
   int64_t steps;         // K steps the panel holds: K / 32 when x has more than 32 rows, else a ring of kRingSteps
 
-  const char* tile(int64_t /*nb*/, int b, int64_t k) const { return panel + (b * steps + k % steps) * 1024; }
+  const char* tiles(int64_t /*nb*/) const { return panel; }
+  int64_t block_bytes() const { return steps * 1024; }
+  int64_t step_mask() const { return steps == o.kb ? -1 : steps - 1; }
 
   void before_step(int64_t nb, int blocks, bool first, int64_t k) const {
     if (!first) return;
@@ -93,7 +97,7 @@ struct W4Tiles {
     for (int b = 0; b < blocks; ++b) {
       const int64_t block = nb + b;
       dequant_w4_tile(nib + (block * o.kb + k) * 256, coef + (block * groups + group) * 32,
-                      const_cast<char*>(tile(nb, b, k)));
+                      panel + b * block_bytes() + (k & step_mask()) * 1024);
     }
   }
 };
