@@ -227,3 +227,38 @@ def generation_flops(hf_config: Any, input_len: int, output_len: int) -> float:
     processed = input_len + output_len - 1
     pairs = processed * (processed - 1) / 2.0
     return 2.0 * weight_params_per_step(hf_config) * processed + 4.0 * layers * q_heads * head_dim * pairs
+
+
+def workload_roofline(hf_config: Any, dtype: torch.dtype | str, bandwidth_gbps: float, gflops: float,
+                      lengths: list[tuple[int, int]], max_batch: int) -> dict[str, float]:
+    """The least time this box's roofline allows for a whole offline batch of requests ``(input_len, output_len)``:
+    every prompt prefilled at the peak FLOP rate (a prefill reads the weights once for thousands of tokens, so it is
+    compute-bound), then the decode steps of a continuous batch of up to ``max_batch`` requests admitted in order,
+    each step taking ``max(bytes / BW, FLOPs / F)`` for the weights plus the active requests' KV cache at their
+    current context. Unlike the FLOP-only fraction it charges the decode phase with the bytes it must read."""
+    if bandwidth_gbps <= 0 or gflops <= 0:
+        raise ValueError(f"bandwidth_gbps={bandwidth_gbps!r} and gflops={gflops!r} must be positive")
+    if max_batch < 1 or not lengths or any(i < 1 or o < 1 for i, o in lengths):
+        raise ValueError(f"max_batch={max_batch!r} and every (input_len, output_len) in {len(lengths)} requests "
+                         "must be at least 1")
+    bw, peak = bandwidth_gbps * 1e9, gflops * 1e9
+    prefill_flops = sum(generation_flops(hf_config, i, 1) for i, _ in lengths)
+    weight_bytes, kv_token = weight_bytes_per_step(hf_config, dtype), kv_bytes_per_token(hf_config, dtype)
+    # per request: [context before its next decode step, decode steps left]
+    waiting = [[i, o - 1] for i, o in lengths if o > 1]
+    active: list[list[int]] = []
+    decode_s, steps = 0.0, 0
+    while waiting or active:
+        while waiting and len(active) < max_batch:
+            active.append(waiting.pop(0))
+        contexts = [ctx for ctx, _ in active]
+        step_bytes = weight_bytes + kv_token * sum(contexts)
+        step_flops = sum(flops_per_token(hf_config, ctx) for ctx in contexts)
+        decode_s += max(step_bytes / bw, step_flops / peak)
+        steps += 1
+        for request in active:
+            request[0] += 1
+            request[1] -= 1
+        active = [r for r in active if r[1] > 0]
+    prefill_s = prefill_flops / peak
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps, "seconds": prefill_s + decode_s}

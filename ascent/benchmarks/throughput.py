@@ -20,6 +20,7 @@ from ascent.benchmarks.roofline import (
     generation_flops,
     merge_calibrations,
     roofline_report,
+    workload_roofline,
 )
 
 DEFAULT_INPUT_RANGE = (16, 256)
@@ -91,6 +92,21 @@ def _add_roofline_fractions(report: dict[str, Any], flops: float | None, ours: d
         _fraction_of_compute(report, flops, peer["elapsed_time"]) if peer else None)
 
 
+def _add_workload_roofline(report: dict[str, Any], hf_config: Any, dtype: Any, requests: list[BenchRequest],
+                           batch: int, elapsed: float | None) -> None:
+    """``workload_roofline`` of the run's requests (None for a model without a formula) and the fraction of it the
+    engine achieved (roofline seconds / elapsed seconds)."""
+    cal = report["calibration"]
+    try:
+        workload = workload_roofline(hf_config, dtype, cal["bandwidth_gbps"], cal["peak_gflops"],
+                                     [(r.input_len, r.output_len) for r in requests], batch)
+    except ValueError:
+        workload = None
+    report["workload_roofline"] = workload
+    report["achieved_fraction_of_workload_roofline"] = (
+        workload["seconds"] / elapsed if workload is not None and elapsed else None)
+
+
 def _total_flops(hf_config: Any, requests: list[BenchRequest]) -> float | None:
     try:
         return float(sum(generation_flops(hf_config, r.input_len, r.output_len) for r in requests))
@@ -131,6 +147,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     mean_context = lengths["mean_input_len"] + lengths["mean_output_len"] / 2.0
     report = roofline_report(mc.hf_config, mc.torch_dtype, calibration, batch, mean_context)
     _add_roofline_fractions(report, _total_flops(mc.hf_config, requests), result, peer)
+    _add_workload_roofline(report, mc.hf_config, mc.torch_dtype, requests, batch, result["elapsed_time"])
     result.update({
         "benchmark": "throughput",
         "model": mc.model,
@@ -206,6 +223,11 @@ def format_summary(result: dict[str, Any]) -> str:
                  f"(fp32 {_fmt(cal['gemm_fp32_gflops'])})  decode ceiling at B={ceil.get('batch_size', 'n/a')}: "
                  f"{_fmt(ceil.get('ceiling_tok_s'))} tok/s  fraction of compute roof "
                  f"{_fmt(roof['achieved_fraction_of_compute_roofline'], '.3f')}")
+    workload = roof.get("workload_roofline")
+    if workload:
+        lines.append(f"  workload roofline: {_fmt(workload['seconds'])} s (prefill {_fmt(workload['prefill_s'])} s at "
+                     f"peak FLOP/s + {workload['decode_steps']} decode steps {_fmt(workload['decode_s'])} s)  "
+                     f"ascent at {_fmt(roof['achieved_fraction_of_workload_roofline'], '.3f')} of it")
     other = result.get("profile_comparison")
     if other:
         lines.append(f"  profile {other['hardware_profile']} ({other['dtype']}): {_fmt(other['output_tokens_per_second'])} "

@@ -13,7 +13,10 @@ import torch
 from ascent.benchmarks.cli import register_bench_parser
 from ascent.benchmarks.common import collect_env, percentiles, write_json
 from ascent.benchmarks.datasets import parse_len_range, sample_requests
-from ascent.benchmarks.roofline import decode_roofline, weight_bytes_per_step, weight_params_per_step
+from ascent.benchmarks.roofline import (
+    decode_roofline, generation_flops, kv_bytes_per_token, weight_bytes_per_step, weight_params_per_step,
+    workload_roofline,
+)
 
 TINY_ROOFLINE = ["--roofline-stream-mib", "4", "--roofline-gemv-mib", "1", "--roofline-gemm-shape", "16,128,128",
                  "--roofline-repeats", "2"]
@@ -69,6 +72,11 @@ def test_throughput_smoke(tiny_llama_dir: str, tmp_path) -> None:
     assert data["ratio_vs_peer"] == pytest.approx(
         data["output_tokens_per_second"] / data["peer"]["output_tokens_per_second"])
     assert _positive(data["roofline"]["achieved_fraction_of_compute_roofline"])
+    workload = data["roofline"]["workload_roofline"]
+    assert _positive(workload["seconds"]) and workload["seconds"] == pytest.approx(workload["prefill_s"]
+                                                                                  + workload["decode_s"])
+    assert data["roofline"]["achieved_fraction_of_workload_roofline"] == pytest.approx(
+        workload["seconds"] / data["elapsed_time"])
     assert data["roofline"]["ceilings"]["batch_size"] == 4
     assert data["env"]["num_threads"] == 1 and data["dtype"] == "bfloat16"
     _check_env_and_roofline(data)
@@ -148,6 +156,26 @@ def test_decode_roofline_ceilings() -> None:
     assert big["bandwidth_ceiling_tok_s"] > one["bandwidth_ceiling_tok_s"]
     with pytest.raises(ValueError, match="batch_size=0"):
         decode_roofline(config, "bfloat16", 10.0, 100.0, batch_size=0)
+
+
+def test_workload_roofline_counts_prefill_flops_and_each_decode_steps_bytes() -> None:
+    config = _tiny_config("llama", True)
+    w, kv = weight_bytes_per_step(config, "bfloat16"), kv_bytes_per_token(config, "bfloat16")
+    bw, peak = 10e9, 1e9 * 1e6  # a huge FLOP rate: every decode step is bandwidth-bound
+    lengths = [(4, 3), (3, 2), (5, 1)]  # 2 + 1 + 0 decode steps (the first token comes from the prefill)
+    prefill = sum(generation_flops(config, i, 1) for i, _ in lengths) / peak
+    together = workload_roofline(config, "bfloat16", 10.0, 1e6, lengths, max_batch=2)
+    assert together["decode_steps"] == 2  # contexts [4, 3] then [5]
+    assert together["decode_s"] == pytest.approx(((w + kv * 7) + (w + kv * 5)) / bw)
+    assert together["prefill_s"] == pytest.approx(prefill)
+    assert together["seconds"] == pytest.approx(together["prefill_s"] + together["decode_s"])
+    one_at_a_time = workload_roofline(config, "bfloat16", 10.0, 1e6, lengths, max_batch=1)
+    assert one_at_a_time["decode_steps"] == 3  # contexts [4], [5], then [3]
+    assert one_at_a_time["decode_s"] == pytest.approx(((w + kv * 4) + (w + kv * 5) + (w + kv * 3)) / bw)
+    compute_bound = workload_roofline(config, "bfloat16", 1e9, 1e-3, lengths, max_batch=2)
+    assert compute_bound["decode_s"] > together["decode_s"]  # FLOPs / F dominates at a tiny FLOP rate
+    with pytest.raises(ValueError, match="max_batch=0"):
+        workload_roofline(config, "bfloat16", 10.0, 1.0, lengths, max_batch=0)
 
 
 def test_datasets_and_common(tmp_path) -> None:
