@@ -186,8 +186,8 @@ def dual_layout_budget_bytes(default_only: bool = False) -> int:
 
 
 # Quantized layers' AMX tile copies beside their integer weights: AMX-INT8 (W8A8 schemes, W8A16 per channel) and the
-# int4 tiles of W4A16 (``quantization/w4_amx.py``).
-QUANT_AMX_COPIES = ("w8a8_amx", "wo_amx", "wo_amx4")
+# AMX-BF16 weight-only tiles (W4A16, other W8A16; ``quantization/wo_amx.py``).
+QUANT_AMX_COPIES = ("w8a8_amx", "wo_amx", "wo_amx_bf16")
 
 
 def limit_dual_layouts(model: nn.Module, budget_bytes: int | None = None) -> int:

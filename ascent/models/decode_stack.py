@@ -43,7 +43,7 @@ def max_tokens_of(kind: int) -> int:
     """Tokens per call up to which the module path itself uses this kind's small-M kernel (so the stack, which always
     does, gives the module path's values); unquantized projections make the module path's choice per call."""
     from ascent.quantization import kernels
-    from ascent.quantization.w4_amx import W4_AMX_MAX_M
+    from ascent.quantization.wo_amx import WO_AMX_MAX_M
 
     limits = {0: UNBOUNDED_TOKENS, kernels.STACK_KIND_W8A16: kernels.WEIGHT_ONLY_GEMV_MAX_M[8],
               kernels.STACK_KIND_W4A16: kernels.WEIGHT_ONLY_GEMV_MAX_M[4],
@@ -55,7 +55,7 @@ def max_tokens_of(kind: int) -> int:
               kernels.STACK_KIND_WO_NV: kernels.WO_NV_MAX_M,
               kernels.STACK_KIND_W8A8_DYNAMIC_NV: kernels.INT8_NV_MAX_M,
               kernels.STACK_KIND_W8A8_STATIC_NV: kernels.INT8_NV_MAX_M,
-              kernels.STACK_KIND_W4A16_AMX: W4_AMX_MAX_M}
+              kernels.STACK_KIND_WO_AMX: WO_AMX_MAX_M}
     return limits.get(kind, 0)
 
 

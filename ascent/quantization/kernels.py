@@ -99,10 +99,10 @@ STACK_KIND_W8A8_DYNAMIC_NV = 9
 #  10 W8A8 static on the row-interleaved layout: ascent_quant::w8a8_static_linear_nv, kind 7's operands with the
 #     packed weight first
 STACK_KIND_W8A8_STATIC_NV = 10
-#  11 W4A16 on AMX-BF16 above a row count (``w4_amx.py``): ascent_amx::amx_w4_linear(x, nib, coef, bias?) above
-#     ints[0] rows, else the inner call (kind ints[1] with the remaining tensors and ints)
-#                                           tensors [nib, coef, bias, *inner tensors], ints [min_m, inner kind, *inner ints]
-STACK_KIND_W4A16_AMX = 11
+#  11 weight-only on AMX-BF16 above a row count (``wo_amx.py``): ascent_amx::amx_wo_linear(x, tiles, coef, bias?)
+#     above ints[0] rows, else the inner call (kind ints[1] with the remaining tensors and ints)
+#                                         tensors [tiles, coef, bias, *inner tensors], ints [min_m, inner kind, *inner ints]
+STACK_KIND_WO_AMX = 11
 StackSpec = tuple[int, list[torch.Tensor], list[int]]
 
 

@@ -158,8 +158,8 @@ def test_quantized_stack_beyond_four_rows_equals_module_path(tmp_path, monkeypat
 
 
 def test_w4a16_stack_on_amx_tiles_equals_module_path(tmp_path, monkeypatch):
-    """On AMX CPUs the W4A16 projections join the stack with their AMX-BF16 tiles above ``W4_AMX_MIN_M`` rows
-    (``quantization/w4_amx.py``): a 17-sequence batch runs every decode step in the stack, with the module path's
+    """On AMX CPUs the W4A16 projections join the stack with their AMX-BF16 tiles above ``WO_AMX_MIN_M`` rows
+    (``quantization/wo_amx.py``): a 17-sequence batch runs every decode step in the stack, with the module path's
     values."""
     from ascent.layers.cpu_kernels import amx_ops
     from ascent.models.decode_stack import linear_call
@@ -178,5 +178,5 @@ def test_w4a16_stack_on_amx_tiles_equals_module_path(tmp_path, monkeypatch):
     assert fused == plain
     kinds = {linear_call(layer.self_attn.qkv_proj)[0] for layer in stack.model.layers}
     if amx_ops() is not None:
-        assert kinds == {kernels.STACK_KIND_W4A16_AMX}
+        assert kinds == {kernels.STACK_KIND_WO_AMX}
         assert stack.largest_step == len(prompts)  # every decode step of the batch ran in the stack

@@ -16,7 +16,7 @@ from ascent.quantization import kernels
 from ascent.quantization.base import QuantSpec
 from ascent.quantization.packing import pack_to_int32
 from ascent.quantization.wo_nv import NV_ENV, nv_rows
-from ascent.quantization.w4_amx import W4_AMX_MIN_M
+from ascent.quantization.wo_amx import WO_AMX_MIN_M
 from tests.unit.quant.scheme_utils import SpecConfig, finish, load
 from tests.unit.test_quant_gemv_kernels import ULP, assert_close, gen, isa_ops, operands, ref_weight_only
 
@@ -198,8 +198,8 @@ def test_w4a16_takes_the_layout(ops, monkeypatch, symmetric, dtype):
         assert nv.scale.dtype == torch.float32  # the test's fp32 scales are no bf16 values: kept exact
         assert layer.wo_packed is None  # the int4pack copy is dropped: the kernels take its M range
         kind, tensors, ints = layer.quant_method.scheme.decode_stack_call(layer)
-        if layer.wo_amx4 is not None:  # bf16 on an AMX CPU: the tiles above W4_AMX_MIN_M rows, this layout below
-            assert kind == kernels.STACK_KIND_W4A16_AMX and ints[:2] == [W4_AMX_MIN_M, kernels.STACK_KIND_WO_NV]
+        if layer.wo_amx_bf16 is not None:  # bf16 on an AMX CPU: the tiles above WO_AMX_MIN_M rows, this layout below
+            assert kind == kernels.STACK_KIND_WO_AMX and ints[:2] == [WO_AMX_MIN_M, kernels.STACK_KIND_WO_NV]
             kind, tensors, ints = ints[1], tensors[3:], ints[2:]
         assert kind == kernels.STACK_KIND_WO_NV and ints == [4, N_OUT, K_IN] and len(tensors) == 6
     for m in range(1, layer.wo_gemv.max_m + 1):
@@ -242,13 +242,15 @@ def test_fp32_models_keep_the_row_layout(ops):
 
 
 @pytest.mark.parametrize("grouped", [False, True])
-def test_w8a16_adds_the_layout_as_a_second_copy(ops, grouped):
+def test_w8a16_adds_the_layout_as_a_second_copy(ops, grouped, monkeypatch):
     """W8A16 on a 16-bit model: a row-interleaved copy beside the checkpoint's rows serves M = 1..WO_NV_MAX_M (on
-    VNNI CPUs without AMX-INT8 tiles for the layer), in the module path and the decode-stack call alike; the
-    dual-layout budget releases the copy (the rows then serve up to their own limit)."""
+    VNNI CPUs without AMX tiles for the layer: ``ASCENT_CPU_AMX=0`` here), in the module path and the decode-stack
+    call alike; the dual-layout budget releases the copy (the rows then serve up to their own limit)."""
     from ascent.layers.cpu_packing import limit_dual_layouts
 
+    monkeypatch.setenv("ASCENT_CPU_AMX", "0")
     layer = w8a16_layer(torch.bfloat16, grouped)
+    assert layer.wo_amx is None and layer.wo_amx_bf16 is None
     gemv = layer.wo_gemv
     assert (gemv.nv is not None) == (has_vnni(ops) and layer.wo_amx is None)
     if gemv.nv is None:

@@ -241,7 +241,7 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   return y.view(sizes);
 }
 
-#include "amx_w4_linear.h"
+#include "amx_wo_linear.h"
 
 }  // namespace ascent_amx
 
@@ -254,6 +254,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("wp"), py::arg("bias"), py::arg("float_out") = false);
   m.def("amx_w4_pack", &amx_w4_pack, "amx_w4_pack(q int8 [N, K], scale fp32 [N, G], zero fp32 [N, G] | None) -> "
         "(nib uint8 [N/16, K/32, 16, 16], coef fp32 [N/16, G, 2, 16])");
-  m.def("amx_w4_linear", &amx_w4_linear, "amx_w4_linear(x bf16 [..., K], nib, coef, bias) -> bf16 [..., N]");
+  m.def("amx_w8_pack", &amx_w8_pack, "amx_w8_pack(q int8 [N, K], scale fp32 [N, G], zero fp32 [N, G] | None) -> "
+        "(q tiles int8 [N/16, K/32, 16, 32], coef fp32 [N/16, G, 2, 16])");
+  m.def("amx_wo_linear", &amx_wo_linear, "amx_wo_linear(x bf16 [..., K], tiles, coef, bias) -> bf16 [..., N]");
 }
 #endif  // ASCENT_EMBEDDED_KERNELS

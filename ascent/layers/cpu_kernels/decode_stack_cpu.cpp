@@ -65,7 +65,7 @@ struct LinearCall {
   enum Kind : int64_t {
     kDense = 0, kW8A16 = 1, kW4A16 = 2, kW8A8Dynamic = 3, kW8A8DynamicAmx = 4, kW8A8StaticAmx = 5,
     kW8A16Amx = 6, kW8A8Static = 7, kWoNv = 8, kW8A8DynamicNv = 9,
-    kW8A8StaticNv = 10, kW4A16Amx = 11
+    kW8A8StaticNv = 10, kWoAmx = 11
   };
   int64_t kind = kDense;
   // kDense: [weight [N, K] bf16/fp16 (empty when no plain copy is kept), bias, oneDNN-packed weight, AMX tiles] with
@@ -77,8 +77,8 @@ struct LinearCall {
   // it, the AMX one above); kW8A8Static: [weight int8 [N, K], row_sum, deq, quant_bias, bias, fp32 [input_scale,
   // input_offset]]; kWoNv: [packed (wo_nv_pack), scale [N, G], zero [N, G], scale_nv, zero * scale nv, bias] with
   // ints [bits, N, K]; kW8A8DynamicNv / kW8A8StaticNv: kW8A8Dynamic's / kW8A8Static's with the weight packed
-  // (wo_nv_pack offset 0); kW4A16Amx: [nib, coef (amx_w4_pack), bias, the inner call's tensors] with ints [row
-  // limit, inner kind, the inner call's ints]: the inner call up to the limit, amx_w4_linear above it.
+  // (wo_nv_pack offset 0); kWoAmx: [tiles, coef (amx_w4_pack / amx_w8_pack), bias, the inner call's tensors] with
+  // ints [row limit, inner kind, the inner call's ints]: the inner call up to the limit, amx_wo_linear above it.
   // See quantization/kernels.py.
   std::vector<at::Tensor> tensors;
   std::vector<int64_t> ints;
@@ -86,7 +86,7 @@ struct LinearCall {
   mutable ascent_quant::W8A8StaticNv w8a8_static_nv;  // kW8A8StaticNv's, likewise
   mutable ascent_quant::WoNvPlan wo_nv;                // kWoNv's, likewise
   mutable SmallMLinear small_m;                  // kDense's small-M kernel operands, checked at its first call
-  std::shared_ptr<const LinearCall> inner;       // kW4A16Amx's call for the rows below its limit
+  std::shared_ptr<const LinearCall> inner;       // kWoAmx's call for the rows below its limit
 
   at::Tensor operator()(const at::Tensor& x) const {
     const auto& t = tensors;
@@ -141,15 +141,15 @@ struct LinearCall {
           wo_nv = ascent_quant::plan_wo_nv(t[0], ints[0], ints[1], ints[2], t[1], optional_tensor(t[2]), t[3],
                                            optional_tensor(t[4]), optional_tensor(t[5]));
         return ascent_quant::run_wo_nv(x, wo_nv);
-      case kW4A16Amx:
+      case kWoAmx:
         if (x.size(0) <= ints[0] || x.scalar_type() != at::kBFloat16) return (*inner)(x);
-        return ascent_amx::amx_w4_linear(x, t[0], t[1], optional_tensor(t[2]));
+        return ascent_amx::amx_wo_linear(x, t[0], t[1], optional_tensor(t[2]));
       default: TORCH_CHECK(false, "DecodeStack: unknown linear kind ", kind);
     }
   }
 
   static LinearCall make(int64_t kind, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
-    if (kind == kW4A16Amx) return make_w4a16_amx(std::move(tensors), std::move(ints));
+    if (kind == kWoAmx) return make_wo_amx(std::move(tensors), std::move(ints));
     const size_t want_tensors = kind == kW8A8StaticAmx || kind == kW8A16Amx ? 5
                                 : kind == kW8A8Static || kind == kWoNv || kind == kW8A8StaticNv ? 6 : 4;
     const size_t want_ints = kind == kDense || kind == kW4A16 ? 2 : (kind == kW8A16Amx ? 1 : (kind == kWoNv ? 3 : 0));
@@ -169,10 +169,10 @@ struct LinearCall {
     return LinearCall{kind, std::move(tensors), std::move(ints)};
   }
 
-  static LinearCall make_w4a16_amx(std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
-    TORCH_CHECK(tensors.size() > 3 && ints.size() >= 2 && ints[1] != kW4A16Amx && tensors[0].dim() == 4,
-                "DecodeStack: linear kind ", kW4A16Amx, " with ", tensors.size(), " tensors / ", ints.size(), " ints");
-    LinearCall call{kW4A16Amx, {tensors.begin(), tensors.begin() + 3}, {ints[0]}};
+  static LinearCall make_wo_amx(std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
+    TORCH_CHECK(tensors.size() > 3 && ints.size() >= 2 && ints[1] != kWoAmx && tensors[0].dim() == 4,
+                "DecodeStack: linear kind ", kWoAmx, " with ", tensors.size(), " tensors / ", ints.size(), " ints");
+    LinearCall call{kWoAmx, {tensors.begin(), tensors.begin() + 3}, {ints[0]}};
     call.inner = std::make_shared<const LinearCall>(
         make(ints[1], {tensors.begin() + 3, tensors.end()}, {ints.begin() + 2, ints.end()}));
     return call;

@@ -19,7 +19,6 @@ from ascent.quantization.kernels import int4pack_group_size, prepare_int4pack, w
 from ascent.quantization.registry import register_scheme
 from ascent.quantization.schemes.common import layer_name
 from ascent.quantization.schemes.w8a16 import WeightOnlyLinear
-from ascent.quantization.w4_amx import prepare_w4_amx
 
 
 def check_int4_range(layer: nn.Module, q: torch.Tensor) -> None:
@@ -33,8 +32,7 @@ def check_int4_range(layer: nn.Module, q: torch.Tensor) -> None:
 class W4A16Linear(WeightOnlyLinear):
     """int4 weight-only; after loading ``wo_packed = (uint8 [N, K/2], fp32 [K/g', N, 2], g')`` when the int4pack
     kernel takes the shape (N % 16 == 0, g' in {32, 64, 128, 256}) and the small-M kernels have neither the
-    row-interleaved nor the blocked layout (``wo_nv.py``), else None; ``wo_amx4`` the AMX-BF16 operands
-    (``w4_amx.W4Amx``) on CPUs with AMX, else None."""
+    row-interleaved nor the blocked layout (``wo_nv.py``), else None."""
 
     bits = 4
 
@@ -46,9 +44,6 @@ class W4A16Linear(WeightOnlyLinear):
             # the kernels take every M the int4pack path would (M <= 2); the int4pack copy had the size of the
             # new layout's, so memory is unchanged where it existed
             layer.wo_packed = None
-        # AMX-BF16 tiles for mid-sized M (w4_amx.py), a second int4 copy
-        layer.wo_amx4 = prepare_w4_amx(self.int_weight(layer), layer.wo_scale, layer.wo_zero,
-                                       getattr(layer, "params_dtype", None))
 
     def prepare_packed(self, layer: nn.Module) -> None:
         layer.wo_packed = None

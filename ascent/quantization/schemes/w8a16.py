@@ -7,8 +7,9 @@ per-group [N, K/g] (model dtype or fp32). compressed-tensors: ``weight``, ``weig
 
 Fast paths (chosen by M): on CPU with the C++ kernels, ``quant_gemv_cpu.cpp``'s ``w8a16_linear`` (any group /
 zero point) for M <= ``WEIGHT_ONLY_GEMV_MAX_M[8]``; int8 per channel without zero point on AMX-INT8 CPUs: the AMX
-kernel (16-bit x as fixed point, a repacked copy of the weight) up to ``INT8_AMX_MAX_M``; else
-(``kernels.weight_only_path``) ``torch._weight_int8pack_mm``
+kernel (16-bit x as fixed point, a repacked copy of the weight) up to ``INT8_AMX_MAX_M``; other bf16 weight-only
+layers on AMX-BF16 CPUs (W4A16, grouped / zero-point W8A16): tiles dequantized per call (``wo_amx.py``) for M in
+(``WO_AMX_MIN_M``, ``WO_AMX_MAX_M``]; else (``kernels.weight_only_path``) ``torch._weight_int8pack_mm``
 for decode-sized M when the weight is per-channel and symmetric; otherwise a dequantize-once dense weight
 (oneDNN-packed bf16/fp16).
 """
@@ -28,13 +29,16 @@ from ascent.quantization.packing import unpack_from_int32
 from ascent.quantization.schemes.common import (
     add_param, expand_groups, group_size_of, layer_name, num_shards, use_reference,
 )
+from ascent.quantization.wo_amx import prepare_wo_amx
 
 
 class WeightOnlyLinear(QuantLinearScheme):
     """Shared weight-only logic. Subclasses provide :meth:`int_weight` (int8 values [N, K]) and may set up a
     packed decode kernel in :meth:`prepare_packed` / :meth:`packed_linear`. After loading the layer holds
-    ``wo_scale`` fp32 [N, G], ``wo_zero`` fp32 [N, G] or None (all-zero offsets), ``wo_dense`` (cache) and
-    ``wo_gemv`` (small-M C++ kernel operands, ``kernels.WeightOnlyGemv``, or None)."""
+    ``wo_scale`` fp32 [N, G], ``wo_zero`` fp32 [N, G] or None (all-zero offsets), ``wo_dense`` (cache),
+    ``wo_gemv`` (small-M C++ kernel operands, ``kernels.WeightOnlyGemv``, or None), ``wo_amx`` (AMX-INT8 tiles of a
+    per-channel symmetric int8 weight, or None) and ``wo_amx_bf16`` (``wo_amx.WoAmx``, the AMX-BF16 operands for
+    mid-sized M where ``wo_amx`` is None, or None)."""
 
     force_reference = False
     bits = 8
@@ -105,6 +109,10 @@ class WeightOnlyLinear(QuantLinearScheme):
             layer.wo_amx = prepare_int8_amx(self.int_weight(layer))  # None without the kernels or AMX-INT8
             layer.wo_scale_vec = layer.wo_scale.reshape(-1).contiguous()
         layer.wo_gemv = self.prepare_gemv(layer)  # (its row-interleaved int8 copy only where no AMX tiles are)
+        layer.wo_amx_bf16 = None  # AMX-BF16 tiles dequantized per call (wo_amx.py) where no AMX-INT8 copy serves
+        if layer.wo_amx is None:
+            layer.wo_amx_bf16 = prepare_wo_amx(self.int_weight(layer), self.bits, layer.wo_scale, layer.wo_zero,
+                                               getattr(layer, "params_dtype", None))
 
     def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:
         """How a C++ decode stack calls this linear's small-M kernel (``kernels.STACK_KIND_*``), None without it."""
@@ -113,7 +121,7 @@ class WeightOnlyLinear(QuantLinearScheme):
             return None
         bias = getattr(layer, "bias", None)
         spec = gemv.stack_spec(bias, getattr(layer, "wo_amx", None))
-        amx4 = getattr(layer, "wo_amx4", None)
+        amx4 = getattr(layer, "wo_amx_bf16", None)
         return amx4.stack_spec(spec, gemv.max_m, bias) if amx4 is not None else spec
 
     def gemv_weight(self, layer: nn.Module) -> torch.Tensor:
@@ -147,7 +155,7 @@ class WeightOnlyLinear(QuantLinearScheme):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if use_reference(self):
             return self.apply_reference(layer, x, bias)
-        amx4 = getattr(layer, "wo_amx4", None)
+        amx4 = getattr(layer, "wo_amx_bf16", None)
         if amx4 is not None and amx4.takes(x):
             return amx4.linear(x, bias)
         gemv = getattr(layer, "wo_gemv", None)

@@ -1,0 +1,238 @@
+// Weight-only int4 / int8 linears (per-group or per-channel scales and zero points) for mid-sized M on AMX-BF16;
+// included by amx_linear_cpu.cpp inside namespace ascent_amx, after its tile loop.
+//
+// The row-interleaved VNNI kernels (quant_wo_nv.h) do one VPDPWSSD per 32 (int4) or 16 (int8) weights per x row, so
+// from ~8 rows on they are compute-bound, while on an AMX CPU the bf16 weight runs on tiles: at M = 32 a W4A16 decode
+// step took about twice bf16's. Here each column-block pair's integer tiles are dequantized to bf16 VNNI B tiles one
+// K step before the step that loads them (into a per-thread panel: a 4-step ring when x has at most 32 rows, else the
+// whole [2, K/32, 16, 32] bf16 panel, which the later 32-row blocks of x reuse) and multiplied with TDPBF16PS exactly
+// as the bf16 weight is (column_blocks). The dequantized value is the dense bf16 weight of the dequantize-once path,
+// (q - zero) * scale in fp32 rounded to nearest even (VCVTNE2PS2BF16, which flushes fp32 denormal values to zero), so
+// the output is amx_linear's on that weight, bit for bit.
+//
+// Measured on a Xeon with AMX (SmolLM2's 120 decode linears, group 64, 2 threads, interleaved medians, ms; int4
+// here | amx_linear on the bf16 weight | the row-interleaved W4A16 kernel): M = 4: 6.3 | 7.9 | 4.5; 8: 6.4 | 8.2 |
+// 6.4; 16: 6.9 | 8.3 | 10.6; 32: 8.1 | 8.7 | 18.7; 64: 13.0 | 12.6 | 35.1; 128: 19.2 | 20.2 | -; 256: 33.5 | 35.0 |
+// -; int8 group 64 here | the row-interleaved W8A16 kernel: M = 16: 6.8 | 11.6; 32: 8.0 | 19.5; 64: 12.6 | 37.0. The
+// dequantization, about 8 ALU operations per 32 weights, is most of the time.
+//
+// Packed layouts. int4 (amx_w4_pack): nib[nb][kb][r][j], uint8 [N/16, K/32, 16, 16]. Row r of the B tile of (nb, kb)
+// has the 32 positions p = 2 c + t <-> W[16 nb + c][32 kb + 2 r + t]; byte j holds u(p = j) in its low nibble and
+// u(p = 16 + j) in its high one, u = q + 8 in [0, 15]: one zero-extending load of 16 bytes gives both halves' 16
+// lanes. int8 (amx_w8_pack): q[nb][kb][r][p], int8 [N/16, K/32, 16, 32], the positions in order. coef[nb][g][2][16]
+// fp32: the scales s[16 nb + c, g] of the block's 16 columns, then their offsets (int4: 8 + zero, int8: zero);
+// W = (u - offset) * scale. Needs N % 16 == 0, groups of a multiple of 32 columns (K % (32 G) == 0) and, for int4,
+// integer zero points.
+#pragma once
+
+namespace {
+
+// Prefetch distances ahead of the tile being dequantized: its column block's nibbles are one contiguous stream (T0
+// 1 KiB = 4 tiles and T1 8 KiB ahead), its coefficients another (T0 two groups ahead). With the hardware prefetchers
+// alone the nibble and coefficient loads waited on memory: SmolLM2's 120 decode linears, group 64, M = 4, Xeon with
+// AMX, 2 threads: 8.5 ms without, 6.3-7.2 with (noisy VM; T0 only at 1-2 KiB 7.7-10.4).
+constexpr int64_t kNibblePrefetchNear = 1024;
+constexpr int64_t kNibblePrefetchFar = 8192;
+constexpr int64_t kCoefPrefetchAhead = 256;
+// K steps of dequantized tiles kept when x has at most one 32-row block (the panel then only has to outlive the tile
+// loads one step later): 8 KiB that stay in L1 instead of a whole panel whose lines are written once from L2. A power
+// of two (the tile loop masks the step).
+constexpr int64_t kRingSteps = 4;
+
+// The 16 rows of one B tile: 256 nibble bytes at src -> 1 KiB of bf16 at dst; coef: the tile's group's 16 scales and
+// 16 offsets.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dequant_w4_tile(const uint8_t* src, const float* coef,
+                                                                             char* dst) {
+  const char* nibble_lines = reinterpret_cast<const char*>(src);
+  for (int line = 0; line < 4; ++line) {
+    _mm_prefetch(nibble_lines + kNibblePrefetchNear + 64 * line, _MM_HINT_T0);
+    _mm_prefetch(nibble_lines + kNibblePrefetchFar + 64 * line, _MM_HINT_T1);
+  }
+  _mm_prefetch(reinterpret_cast<const char*>(coef) + kCoefPrefetchAhead, _MM_HINT_T0);
+  // positions 0..15 are columns 0..7 (two K rows each), positions 16..31 columns 8..15
+  const __m512i low_columns = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i high_columns = _mm512_add_epi32(low_columns, _mm512_set1_epi32(8));
+  const __m512 scale = _mm512_loadu_ps(coef), offset = _mm512_loadu_ps(coef + 16);
+  const __m512 scale_lo = _mm512_permutexvar_ps(low_columns, scale);
+  const __m512 scale_hi = _mm512_permutexvar_ps(high_columns, scale);
+  // biased as the nibbles are below: 2^23 + offset and 2^19 + offset (exact for integer offsets below 2^16)
+  const __m512 offset_lo = _mm512_add_ps(_mm512_permutexvar_ps(low_columns, offset), _mm512_set1_ps(8388608.f));
+  const __m512 offset_hi = _mm512_add_ps(_mm512_permutexvar_ps(high_columns, offset), _mm512_set1_ps(524288.f));
+  const __m512i low_mask = _mm512_set1_epi32(0x0F), high_mask = _mm512_set1_epi32(0xF0);
+  const __m512i magic_lo = _mm512_set1_epi32(0x4B000000), magic_hi = _mm512_set1_epi32(0x49000000);
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * r)));
+    // (u & mask) | magic: the floats 2^23 + low nibble (ulp 1) and 2^19 + high nibble (ulp 1/16), no conversion
+    const __m512 lo = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(u, low_mask, magic_lo, 0xEA));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(u, high_mask, magic_hi, 0xEA));
+    const __m512 w_lo = _mm512_mul_ps(_mm512_sub_ps(lo, offset_lo), scale_lo);
+    const __m512 w_hi = _mm512_mul_ps(_mm512_sub_ps(hi, offset_hi), scale_hi);
+    _mm512_storeu_si512(dst + 64 * r, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+  }
+}
+
+// One B tile of int8 values (512 bytes in the tile's position order, amx_w8_pack) -> 1 KiB of bf16 at dst; coef: the
+// tile's group's 16 scales and 16 zero points. (q - zero) * scale in fp32, as the dequantize-once weight is computed.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dequant_w8_tile(const uint8_t* src, const float* coef,
+                                                                             char* dst) {
+  const char* lines = reinterpret_cast<const char*>(src);
+  for (int line = 0; line < 8; ++line) {
+    _mm_prefetch(lines + 2 * kNibblePrefetchNear + 64 * line, _MM_HINT_T0);
+    _mm_prefetch(lines + 2 * kNibblePrefetchFar + 64 * line, _MM_HINT_T1);
+  }
+  _mm_prefetch(reinterpret_cast<const char*>(coef) + kCoefPrefetchAhead, _MM_HINT_T0);
+  const __m512i low_columns = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i high_columns = _mm512_add_epi32(low_columns, _mm512_set1_epi32(8));
+  const __m512 scale = _mm512_loadu_ps(coef), zero = _mm512_loadu_ps(coef + 16);
+  const __m512 scale_lo = _mm512_permutexvar_ps(low_columns, scale);
+  const __m512 scale_hi = _mm512_permutexvar_ps(high_columns, scale);
+  const __m512 zero_lo = _mm512_permutexvar_ps(low_columns, zero);
+  const __m512 zero_hi = _mm512_permutexvar_ps(high_columns, zero);
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    const __m128i* row = reinterpret_cast<const __m128i*>(src + 32 * r);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1)));
+    const __m512 w_lo = _mm512_mul_ps(_mm512_sub_ps(lo, zero_lo), scale_lo);
+    const __m512 w_hi = _mm512_mul_ps(_mm512_sub_ps(hi, zero_hi), scale_hi);
+    _mm512_storeu_si512(dst + 64 * r, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+  }
+}
+
+// The tile loop's weight source for an int4 / int8 weight: the pair's tiles are produced into `panel` during the
+// first 32-row block of x, one K step ahead of their loads, and reused by the other row blocks.
+struct WoTiles {
+  static constexpr bool kPrefetchTiles = false;  // the panel is produced in L1; the dequantizers prefetch their input
+  const Operands& o;
+  const uint8_t* packed;  // [N/16, K/32, 16, 16] nibbles (4 bits) or [N/16, K/32, 16, 32] values (8 bits)
+  int64_t tile_bytes;    // 256 (4 bits) or 512
+  const float* coef;     // [N/16, G, 2, 16]
+  int64_t groups;        // G
+  int64_t group_blocks;  // 32-column K blocks per group: K / 32 / G
+  char* panel;           // this thread's: [2, steps, 16, 32] bf16
+  int64_t steps;         // K steps the panel holds: K / 32 when x has more than 32 rows, else a ring of kRingSteps
+
+  const char* tiles(int64_t /*nb*/) const { return panel; }
+  int64_t block_bytes() const { return steps * 1024; }
+  int64_t step_mask() const { return steps == o.kb ? -1 : steps - 1; }
+
+  void before_step(int64_t nb, int blocks, bool first, int64_t k) const {
+    if (!first) return;
+    if (k == 0) dequant_step(nb, blocks, 0);
+    if (k + 1 < o.kb) dequant_step(nb, blocks, k + 1);  // one step ahead of its tile loads
+  }
+
+  void dequant_step(int64_t nb, int blocks, int64_t k) const {
+    const int64_t group = k / group_blocks;
+    for (int b = 0; b < blocks; ++b) {
+      const int64_t block = nb + b;
+      const uint8_t* src = packed + (block * o.kb + k) * tile_bytes;
+      const float* c = coef + (block * groups + group) * 32;
+      char* dst = panel + b * block_bytes() + (k & step_mask()) * 1024;
+      if (tile_bytes == 256) dequant_w4_tile(src, c, dst); else dequant_w8_tile(src, c, dst);
+    }
+  }
+};
+
+}  // namespace
+
+namespace {
+
+// The position-ordered values of the B tiles: q [N, K] -> [N/16, K/32, 16 (K pairs), 32 (2 c + t)].
+torch::Tensor tile_positions(const torch::Tensor& q) {
+  const int64_t n = q.size(0), k = q.size(1);
+  return q.contiguous().view({n / 16, 16, k / 32, 16, 2}).permute({0, 2, 3, 1, 4}).reshape({n / 16, k / 32, 16, 32});
+}
+
+// The checks both pack calls make; the offsets [N, G]: `base` + zero (when given).
+torch::Tensor checked_offsets(const char* name, const torch::Tensor& q, const torch::Tensor& scale,
+                              const c10::optional<torch::Tensor>& zero, double base) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.scalar_type() == at::kChar, name,
+              ": q must be an int8 CPU tensor [N, K]");
+  const int64_t n = q.size(0), k = q.size(1);
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == n && scale.size(1) >= 1 && scale.scalar_type() == at::kFloat,
+              name, ": scale must be fp32 [N, G], got ", scale.sizes());
+  const int64_t groups = scale.size(1);
+  TORCH_CHECK(n % 16 == 0 && k % (32 * groups) == 0, name,
+              ": needs N % 16 == 0 and groups of a multiple of 32 columns, got N=", n, " K=", k, " G=", groups);
+  torch::Tensor offset = torch::full_like(scale, base);
+  if (zero.has_value() && zero->defined()) {
+    TORCH_CHECK(zero->sizes() == scale.sizes(), name, ": zero must have scale's shape ", scale.sizes());
+    offset = offset + zero->to(at::kFloat);
+  }
+  return offset;
+}
+
+// scale, offset [N, G] -> coef [N/16, G, 2, 16]: per (column block, group) the block's 16 scales, then its 16 offsets.
+torch::Tensor block_coefficients(const torch::Tensor& scale, const torch::Tensor& offset) {
+  const int64_t n = scale.size(0), groups = scale.size(1);
+  const auto by_block = [&](const torch::Tensor& v) {
+    return v.contiguous().view({n / 16, 16, groups}).permute({0, 2, 1});
+  };
+  return torch::stack({by_block(scale), by_block(offset)}, 2).contiguous();
+}
+
+}  // namespace
+
+// int4 values q [N, K] (int8 in [-8, 7]), scale fp32 [N, G], zero fp32 [N, G] or empty (integers) -> (nib, coef) in
+// the layout above.
+std::tuple<torch::Tensor, torch::Tensor> amx_w4_pack(const torch::Tensor& q, const torch::Tensor& scale,
+                                                     const c10::optional<torch::Tensor>& zero) {
+  const torch::Tensor offset = checked_offsets("amx_w4_pack", q, scale, zero, 8.0);
+  TORCH_CHECK(torch::equal(offset, offset.round()) && offset.abs().max().item<float>() < 65536.f,
+              "amx_w4_pack: zero points must be integers of magnitude below 65536");
+  TORCH_CHECK(q.min().item<int8_t>() >= -8 && q.max().item<int8_t>() <= 7,
+              "amx_w4_pack: q holds values outside [-8, 7]");
+  const torch::Tensor u = tile_positions((q.to(at::kShort) + 8).to(at::kByte));
+  const torch::Tensor nib = u.slice(3, 0, 16).bitwise_or(u.slice(3, 16, 32).bitwise_left_shift(4)).contiguous();
+  return {nib, block_coefficients(scale, offset)};
+}
+
+// int8 values q [N, K], scale fp32 [N, G], zero fp32 [N, G] or empty -> (q in tile order, int8 [N/16, K/32, 16, 32],
+// coef [N/16, G, 2, 16] with the zero points as offsets).
+std::tuple<torch::Tensor, torch::Tensor> amx_w8_pack(const torch::Tensor& q, const torch::Tensor& scale,
+                                                     const c10::optional<torch::Tensor>& zero) {
+  const torch::Tensor offset = checked_offsets("amx_w8_pack", q, scale, zero, 0.0);
+  return {tile_positions(q).contiguous(), block_coefficients(scale, offset)};
+}
+
+// y [M, N] = x [M, K] @ W^T (+ bias), W the weight of amx_w4_pack / amx_w8_pack(q, scale, zero) (`tiles`, `coef`)
+// dequantized to bf16; bf16 in and out, fp32 accumulation.
+torch::Tensor amx_wo_linear(const torch::Tensor& x_in, const torch::Tensor& tiles, const torch::Tensor& coef,
+                            const c10::optional<torch::Tensor>& bias_in) {
+  TORCH_CHECK(amx_usable() && __builtin_cpu_supports("avx512bf16"), "amx_wo_linear: AMX-BF16 is not available");
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kBFloat16 && x_in.dim() >= 1,
+              "amx_wo_linear: x must be a bf16 CPU tensor");
+  const bool int4 = tiles.scalar_type() == at::kByte && tiles.dim() == 4 && tiles.size(3) == 16;
+  const bool int8 = tiles.scalar_type() == at::kChar && tiles.dim() == 4 && tiles.size(3) == 32;
+  TORCH_CHECK((int4 || int8) && tiles.size(2) == 16 && tiles.is_contiguous(),
+              "amx_wo_linear: tiles must come from amx_w4_pack or amx_w8_pack");
+  TORCH_CHECK(coef.scalar_type() == at::kFloat && coef.dim() == 4 && coef.size(0) == tiles.size(0) &&
+                  coef.size(2) == 2 && coef.size(3) == 16 && coef.is_contiguous() && tiles.size(1) % coef.size(1) == 0,
+              "amx_wo_linear: coef must come from the pack call that made tiles");
+  const int64_t n = tiles.size(0) * 16, k = tiles.size(1) * 32, groups = coef.size(1);
+  TORCH_CHECK(x_in.size(-1) == k, "amx_wo_linear: x last dim ", x_in.size(-1), " != K = ", k);
+  const torch::Tensor x = x_in.reshape({-1, k}).contiguous();
+  const int64_t m = x.size(0);
+  torch::Tensor bias_f;
+  if (bias_in.has_value() && bias_in->defined()) {
+    TORCH_CHECK(bias_in->numel() == n, "amx_wo_linear: bias must have N = ", n, " elements");
+    bias_f = bias_in->to(at::kFloat).contiguous();
+  }
+  auto sizes = x_in.sizes().vec();
+  sizes.back() = n;
+  auto y = torch::empty({m, n}, x.options());
+  const Operands o{x.data_ptr<c10::BFloat16>(), k, nullptr, k / 32,
+                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, y.data_ptr(), n, false};
+  const int64_t pairs = (n / 16 + 1) / 2;
+  if (m == 0) return y.view(sizes);
+  at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) {
+    const int64_t steps = m > 32 ? o.kb : std::min(o.kb, kRingSteps);
+    std::vector<char> panel(static_cast<size_t>(2 * steps * 1024));
+    const WoTiles source{o, static_cast<const uint8_t*>(tiles.data_ptr()), tiles.size(3) * 16, coef.data_ptr<float>(),
+                         groups, o.kb / groups, panel.data(), steps};
+    pair_range(o, source, m, begin, end);
+  });
+  return y.view(sizes);
+}
