@@ -11,24 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ascent.layers import cpu_kernels
 from ascent.layers.linear import ReplicatedLinear
 from ascent.quantization import kernels
 from ascent.quantization.base import QuantSpec
-from ascent.quantization.packing import pack_to_int32
 from ascent.quantization.wo_amx import WO_AMX_MAX_M, WO_AMX_MIN_M, prepare_wo_amx
 from tests.unit.quant.scheme_utils import SpecConfig, finish, load
-from tests.unit.test_cpu_amx import _cpu_has_amx_bf16
+from tests.unit.test_cpu_amx import amx, pytestmark  # noqa: F401 (the AMX module fixture; skip without AMX-BF16)
 from tests.unit.test_quant_gemv_kernels import assert_close
-
-pytestmark = pytest.mark.skipif(not _cpu_has_amx_bf16(), reason="this CPU has no AMX-BF16 (the kernel cannot run)")
-
-
-@pytest.fixture(scope="module")
-def amx():
-    module = cpu_kernels.amx_ops()
-    assert module is not None, "a CPU with AMX-BF16 must get the AMX kernels"
-    return module
+from tests.unit.test_quant_wo_nv_kernel import K_IN, N_OUT, w4a16_layer
 
 
 def gen(seed: int) -> torch.Generator:
@@ -132,28 +122,9 @@ def test_prepare_honours_the_amx_switch(monkeypatch):
     assert prepare_wo_amx(q, 4, scale, None, torch.bfloat16) is None
 
 
-N_OUT, K_IN = 96, 256
-
-
-def w4a16_layer(symmetric: bool, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    g = gen(11)
-    q4 = torch.randint(-8, 8, (N_OUT, K_IN), generator=g, dtype=torch.int8)
-    ck = {"weight_packed": pack_to_int32(q4, 4, dim=1), "weight_scale": torch.rand(N_OUT, 4, generator=g) * 0.01,
-          "weight_shape": torch.tensor([[N_OUT, K_IN]])}
-    if not symmetric:
-        ck["weight_zero_point"] = pack_to_int32(torch.randint(-8, 8, (N_OUT, 4), generator=g, dtype=torch.int8), 4,
-                                                dim=0)
-    spec = QuantSpec("W4A16", weight_bits=4, weight_strategy="group", group_size=64, weight_symmetric=symmetric,
-                     source_format="compressed-tensors", extra={"format": "pack-quantized"})
-    layer = ReplicatedLinear(K_IN, N_OUT, bias=True, params_dtype=dtype, quant_config=SpecConfig(spec))
-    load(layer, ck)
-    layer.bias.data.copy_(torch.randn(N_OUT, generator=gen(12)))
-    return finish(layer)
-
-
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_w4a16_layer_runs_mid_sized_m_on_the_tiles(symmetric, monkeypatch):
-    layer = w4a16_layer(symmetric)
+    layer = w4a16_layer(torch.bfloat16, symmetric)
     assert layer.wo_amx_bf16 is not None
     calls = []
     original = type(layer.wo_amx_bf16).linear
@@ -166,13 +137,13 @@ def test_w4a16_layer_runs_mid_sized_m_on_the_tiles(symmetric, monkeypatch):
 
 
 def test_fp16_w4a16_layer_keeps_no_tiles():
-    assert w4a16_layer(True, torch.float16).wo_amx_bf16 is None
+    assert w4a16_layer(torch.float16).wo_amx_bf16 is None
 
 
 def test_tiles_count_as_a_dual_layout():
     from ascent.layers.cpu_packing import limit_dual_layouts
 
-    model = torch.nn.Sequential(w4a16_layer(True))
+    model = torch.nn.Sequential(w4a16_layer(torch.bfloat16))
     layer = model[0]
     assert limit_dual_layouts(model, budget_bytes=1 << 40) >= layer.wo_amx_bf16.nbytes
     assert limit_dual_layouts(model, budget_bytes=0) == 0 and layer.wo_amx_bf16 is None
@@ -181,7 +152,7 @@ def test_tiles_count_as_a_dual_layout():
 
 
 def test_decode_stack_call_wraps_the_small_m_kernel():
-    layer = w4a16_layer(False)
+    layer = w4a16_layer(torch.bfloat16, symmetric=False)
     kind, tensors, ints = layer.quant_method.scheme.decode_stack_call(layer)
     inner = layer.wo_gemv.stack_spec(layer.bias)
     if layer.wo_gemv.max_m < WO_AMX_MIN_M:  # no row-interleaved layout: the tiles stay out of the stack

@@ -197,14 +197,45 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void gemv_range(const Ope
 
 bool amx_available() { return amx_usable(); }
 
+namespace {
+
+// The B tiles' position order: W [N, K] -> [N/16, K/32, 16 (K pairs r), 32 (p = 2 c + t)], element W[16 nb + c][32 kb +
+// 2 r + t] (N % 16 == K % 32 == 0).
+torch::Tensor tile_positions(const torch::Tensor& w) {
+  const int64_t n = w.size(0), k = w.size(1);
+  return w.contiguous().view({n / 16, 16, k / 32, 16, 2}).permute({0, 2, 3, 1, 4}).reshape({n / 16, k / 32, 16, 32});
+}
+
+// A linear's bf16 input as rows [M, K], its fp32 bias [N] (undefined when absent) and the output's sizes (x's with
+// the last dim N), after the checks the AMX linears share.
+struct LinearIo {
+  torch::Tensor x, bias;
+  std::vector<int64_t> out_sizes;
+};
+
+LinearIo linear_io(const char* name, const torch::Tensor& x_in, int64_t k, int64_t n,
+                   const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kBFloat16 && x_in.dim() >= 1, name,
+              ": x must be a bf16 CPU tensor");
+  TORCH_CHECK(x_in.size(-1) == k, name, ": x last dim ", x_in.size(-1), " != K = ", k);
+  LinearIo io{x_in.reshape({-1, k}).contiguous(), torch::Tensor(), x_in.sizes().vec()};
+  io.out_sizes.back() = n;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, name, ": bias must have N = ", n, " elements");
+    io.bias = bias->to(at::kFloat).contiguous();
+  }
+  return io;
+}
+
+}  // namespace
+
 // W bf16 [N, K] -> the packed layout above.
 torch::Tensor amx_pack(const torch::Tensor& w) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kBFloat16,
               "amx_pack: weight must be a bf16 CPU tensor [N, K]");
-  const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(n % 16 == 0 && k % 32 == 0, "amx_pack: needs N % 16 == 0 and K % 32 == 0, got ", w.sizes());
-  return w.contiguous().view({n / 16, 16, k / 32, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous()
-      .view({n / 16, k / 32, 16, 32});
+  TORCH_CHECK(w.size(0) % 16 == 0 && w.size(1) % 32 == 0, "amx_pack: needs N % 16 == 0 and K % 32 == 0, got ",
+              w.sizes());
+  return tile_positions(w).contiguous();
 }
 
 // y [M, N] = x [M, K] @ W^T (+ bias) with wp = amx_pack(W); bf16 in and out, fp32 accumulation. float_out: y is
@@ -212,33 +243,23 @@ torch::Tensor amx_pack(const torch::Tensor& w) {
 torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
                          const c10::optional<torch::Tensor>& bias_in, bool float_out = false) {
   TORCH_CHECK(amx_usable(), "amx_linear: AMX-BF16 is not available");
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kBFloat16 && x_in.dim() >= 1,
-              "amx_linear: x must be a bf16 CPU tensor");
   TORCH_CHECK(wp.scalar_type() == at::kBFloat16 && wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 32 &&
                   wp.is_contiguous(), "amx_linear: wp must come from amx_pack");
   const int64_t n = wp.size(0) * 16, k = wp.size(1) * 32;
-  TORCH_CHECK(x_in.size(-1) == k, "amx_linear: x last dim ", x_in.size(-1), " != K = ", k);
-  const torch::Tensor x = x_in.reshape({-1, k}).contiguous();
-  const int64_t m = x.size(0);
-  torch::Tensor bias_f;
-  if (bias_in.has_value() && bias_in->defined()) {
-    TORCH_CHECK(bias_in->numel() == n, "amx_linear: bias must have N = ", n, " elements");
-    bias_f = bias_in->to(at::kFloat).contiguous();
-  }
-  auto sizes = x_in.sizes().vec();
-  sizes.back() = n;
-  auto y = torch::empty({m, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
-  const Operands o{x.data_ptr<c10::BFloat16>(), k, wp.data_ptr<c10::BFloat16>(), k / 32,
-                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, y.data_ptr(), n, float_out};
+  const LinearIo io = linear_io("amx_linear", x_in, k, n, bias_in);
+  const int64_t m = io.x.size(0);
+  auto y = torch::empty({m, n}, io.x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  const Operands o{io.x.data_ptr<c10::BFloat16>(), k, wp.data_ptr<c10::BFloat16>(), k / 32,
+                   io.bias.defined() ? io.bias.data_ptr<float>() : nullptr, y.data_ptr(), n, float_out};
   static const bool bf16_dot = __builtin_cpu_supports("avx512bf16");  // every AMX-BF16 CPU so far; checked anyway
   if (m == 1 && bf16_dot) {
     at::parallel_for(0, n / 16, 8, [&](int64_t begin, int64_t end) { gemv_range(o, begin, end); });
-    return y.view(sizes);
+    return y.view(io.out_sizes);
   }
   const int64_t pairs = (n / 16 + 1) / 2;
   const PackedTiles source{o};
   at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { pair_range(o, source, m, begin, end); });
-  return y.view(sizes);
+  return y.view(io.out_sizes);
 }
 
 #include "amx_wo_linear.h"

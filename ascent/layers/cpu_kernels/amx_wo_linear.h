@@ -27,8 +27,8 @@
 
 namespace {
 
-// Prefetch distances ahead of the tile being dequantized: its column block's nibbles are one contiguous stream (T0
-// 1 KiB = 4 tiles and T1 8 KiB ahead), its coefficients another (T0 two groups ahead). With the hardware prefetchers
+// Prefetch distances ahead of the tile being dequantized: its column block's values are one contiguous stream (T0
+// 4 tiles and T1 32 tiles ahead: for int4 1 and 8 KiB), its coefficients another (T0 two groups ahead). With the hardware prefetchers
 // alone the nibble and coefficient loads waited on memory: SmolLM2's 120 decode linears, group 64, M = 4, Xeon with
 // AMX, 2 threads: 8.5 ms without, 6.3-7.2 with (noisy VM; T0 only at 1-2 KiB 7.7-10.4).
 constexpr int64_t kNibblePrefetchNear = 1024;
@@ -39,64 +39,62 @@ constexpr int64_t kCoefPrefetchAhead = 256;
 // of two (the tile loop masks the step).
 constexpr int64_t kRingSteps = 4;
 
-// The 16 rows of one B tile: 256 nibble bytes at src -> 1 KiB of bf16 at dst; coef: the tile's group's 16 scales and
-// 16 offsets.
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dequant_w4_tile(const uint8_t* src, const float* coef,
-                                                                             char* dst) {
-  const char* nibble_lines = reinterpret_cast<const char*>(src);
-  for (int line = 0; line < 4; ++line) {
-    _mm_prefetch(nibble_lines + kNibblePrefetchNear + 64 * line, _MM_HINT_T0);
-    _mm_prefetch(nibble_lines + kNibblePrefetchFar + 64 * line, _MM_HINT_T1);
+#define ASCENT_WO_DEQUANT __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+// A tile's group coefficients (coef: 16 scales, 16 offsets) spread over the tile row's positions: positions 0..15 are
+// columns 0..7 (two K rows each), positions 16..31 columns 8..15. Also prefetches the tile source ahead: `lines`
+// 64-byte lines per tile (its column block's values are one contiguous stream) and the coefficients.
+struct RowCoefficients {
+  __m512 scale_lo, scale_hi, offset_lo, offset_hi;
+};
+
+ASCENT_WO_DEQUANT inline RowCoefficients row_coefficients(const uint8_t* src, int lines, const float* coef) {
+  const char* stream = reinterpret_cast<const char*>(src);
+  for (int line = 0; line < lines; ++line) {
+    _mm_prefetch(stream + lines / 4 * kNibblePrefetchNear + 64 * line, _MM_HINT_T0);
+    _mm_prefetch(stream + lines / 4 * kNibblePrefetchFar + 64 * line, _MM_HINT_T1);
   }
   _mm_prefetch(reinterpret_cast<const char*>(coef) + kCoefPrefetchAhead, _MM_HINT_T0);
-  // positions 0..15 are columns 0..7 (two K rows each), positions 16..31 columns 8..15
   const __m512i low_columns = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i high_columns = _mm512_add_epi32(low_columns, _mm512_set1_epi32(8));
   const __m512 scale = _mm512_loadu_ps(coef), offset = _mm512_loadu_ps(coef + 16);
-  const __m512 scale_lo = _mm512_permutexvar_ps(low_columns, scale);
-  const __m512 scale_hi = _mm512_permutexvar_ps(high_columns, scale);
+  return {_mm512_permutexvar_ps(low_columns, scale), _mm512_permutexvar_ps(high_columns, scale),
+          _mm512_permutexvar_ps(low_columns, offset), _mm512_permutexvar_ps(high_columns, offset)};
+}
+
+// One tile row: (lo - offset) * scale and (hi - offset) * scale rounded to bf16, stored as the row's 32 positions.
+ASCENT_WO_DEQUANT inline void store_row(const RowCoefficients& c, __m512 lo, __m512 hi, char* dst) {
+  const __m512 w_lo = _mm512_mul_ps(_mm512_sub_ps(lo, c.offset_lo), c.scale_lo);
+  const __m512 w_hi = _mm512_mul_ps(_mm512_sub_ps(hi, c.offset_hi), c.scale_hi);
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+}
+
+// The 16 rows of one int4 B tile: 256 nibble bytes at src -> 1 KiB of bf16 at dst.
+ASCENT_WO_DEQUANT void dequant_w4_tile(const uint8_t* src, const float* coef, char* dst) {
+  RowCoefficients c = row_coefficients(src, 4, coef);
   // biased as the nibbles are below: 2^23 + offset and 2^19 + offset (exact for integer offsets below 2^16)
-  const __m512 offset_lo = _mm512_add_ps(_mm512_permutexvar_ps(low_columns, offset), _mm512_set1_ps(8388608.f));
-  const __m512 offset_hi = _mm512_add_ps(_mm512_permutexvar_ps(high_columns, offset), _mm512_set1_ps(524288.f));
+  c.offset_lo = _mm512_add_ps(c.offset_lo, _mm512_set1_ps(8388608.f));
+  c.offset_hi = _mm512_add_ps(c.offset_hi, _mm512_set1_ps(524288.f));
   const __m512i low_mask = _mm512_set1_epi32(0x0F), high_mask = _mm512_set1_epi32(0xF0);
   const __m512i magic_lo = _mm512_set1_epi32(0x4B000000), magic_hi = _mm512_set1_epi32(0x49000000);
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
     const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * r)));
     // (u & mask) | magic: the floats 2^23 + low nibble (ulp 1) and 2^19 + high nibble (ulp 1/16), no conversion
-    const __m512 lo = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(u, low_mask, magic_lo, 0xEA));
-    const __m512 hi = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(u, high_mask, magic_hi, 0xEA));
-    const __m512 w_lo = _mm512_mul_ps(_mm512_sub_ps(lo, offset_lo), scale_lo);
-    const __m512 w_hi = _mm512_mul_ps(_mm512_sub_ps(hi, offset_hi), scale_hi);
-    _mm512_storeu_si512(dst + 64 * r, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+    store_row(c, _mm512_castsi512_ps(_mm512_ternarylogic_epi32(u, low_mask, magic_lo, 0xEA)),
+              _mm512_castsi512_ps(_mm512_ternarylogic_epi32(u, high_mask, magic_hi, 0xEA)), dst + 64 * r);
   }
 }
 
-// One B tile of int8 values (512 bytes in the tile's position order, amx_w8_pack) -> 1 KiB of bf16 at dst; coef: the
-// tile's group's 16 scales and 16 zero points. (q - zero) * scale in fp32, as the dequantize-once weight is computed.
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dequant_w8_tile(const uint8_t* src, const float* coef,
-                                                                             char* dst) {
-  const char* lines = reinterpret_cast<const char*>(src);
-  for (int line = 0; line < 8; ++line) {
-    _mm_prefetch(lines + 2 * kNibblePrefetchNear + 64 * line, _MM_HINT_T0);
-    _mm_prefetch(lines + 2 * kNibblePrefetchFar + 64 * line, _MM_HINT_T1);
-  }
-  _mm_prefetch(reinterpret_cast<const char*>(coef) + kCoefPrefetchAhead, _MM_HINT_T0);
-  const __m512i low_columns = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i high_columns = _mm512_add_epi32(low_columns, _mm512_set1_epi32(8));
-  const __m512 scale = _mm512_loadu_ps(coef), zero = _mm512_loadu_ps(coef + 16);
-  const __m512 scale_lo = _mm512_permutexvar_ps(low_columns, scale);
-  const __m512 scale_hi = _mm512_permutexvar_ps(high_columns, scale);
-  const __m512 zero_lo = _mm512_permutexvar_ps(low_columns, zero);
-  const __m512 zero_hi = _mm512_permutexvar_ps(high_columns, zero);
+// The 16 rows of one int8 B tile (512 bytes in position order) -> 1 KiB of bf16 at dst: (q - zero) * scale in fp32,
+// as the dequantize-once weight is computed (any zero point).
+ASCENT_WO_DEQUANT void dequant_w8_tile(const uint8_t* src, const float* coef, char* dst) {
+  const RowCoefficients c = row_coefficients(src, 8, coef);
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
     const __m128i* row = reinterpret_cast<const __m128i*>(src + 32 * r);
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1)));
-    const __m512 w_lo = _mm512_mul_ps(_mm512_sub_ps(lo, zero_lo), scale_lo);
-    const __m512 w_hi = _mm512_mul_ps(_mm512_sub_ps(hi, zero_hi), scale_hi);
-    _mm512_storeu_si512(dst + 64 * r, (__m512i)_mm512_cvtne2ps_pbh(w_hi, w_lo));
+    store_row(c, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row))),
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1))), dst + 64 * r);
   }
 }
 
@@ -138,12 +136,6 @@ struct WoTiles {
 }  // namespace
 
 namespace {
-
-// The position-ordered values of the B tiles: q [N, K] -> [N/16, K/32, 16 (K pairs), 32 (2 c + t)].
-torch::Tensor tile_positions(const torch::Tensor& q) {
-  const int64_t n = q.size(0), k = q.size(1);
-  return q.contiguous().view({n / 16, 16, k / 32, 16, 2}).permute({0, 2, 3, 1, 4}).reshape({n / 16, k / 32, 16, 32});
-}
 
 // The checks both pack calls make; the offsets [N, G]: `base` + zero (when given).
 torch::Tensor checked_offsets(const char* name, const torch::Tensor& q, const torch::Tensor& scale,
@@ -202,8 +194,6 @@ std::tuple<torch::Tensor, torch::Tensor> amx_w8_pack(const torch::Tensor& q, con
 torch::Tensor amx_wo_linear(const torch::Tensor& x_in, const torch::Tensor& tiles, const torch::Tensor& coef,
                             const c10::optional<torch::Tensor>& bias_in) {
   TORCH_CHECK(amx_usable() && __builtin_cpu_supports("avx512bf16"), "amx_wo_linear: AMX-BF16 is not available");
-  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kBFloat16 && x_in.dim() >= 1,
-              "amx_wo_linear: x must be a bf16 CPU tensor");
   const bool int4 = tiles.scalar_type() == at::kByte && tiles.dim() == 4 && tiles.size(3) == 16;
   const bool int8 = tiles.scalar_type() == at::kChar && tiles.dim() == 4 && tiles.size(3) == 32;
   TORCH_CHECK((int4 || int8) && tiles.size(2) == 16 && tiles.is_contiguous(),
@@ -212,21 +202,13 @@ torch::Tensor amx_wo_linear(const torch::Tensor& x_in, const torch::Tensor& tile
                   coef.size(2) == 2 && coef.size(3) == 16 && coef.is_contiguous() && tiles.size(1) % coef.size(1) == 0,
               "amx_wo_linear: coef must come from the pack call that made tiles");
   const int64_t n = tiles.size(0) * 16, k = tiles.size(1) * 32, groups = coef.size(1);
-  TORCH_CHECK(x_in.size(-1) == k, "amx_wo_linear: x last dim ", x_in.size(-1), " != K = ", k);
-  const torch::Tensor x = x_in.reshape({-1, k}).contiguous();
-  const int64_t m = x.size(0);
-  torch::Tensor bias_f;
-  if (bias_in.has_value() && bias_in->defined()) {
-    TORCH_CHECK(bias_in->numel() == n, "amx_wo_linear: bias must have N = ", n, " elements");
-    bias_f = bias_in->to(at::kFloat).contiguous();
-  }
-  auto sizes = x_in.sizes().vec();
-  sizes.back() = n;
-  auto y = torch::empty({m, n}, x.options());
-  const Operands o{x.data_ptr<c10::BFloat16>(), k, nullptr, k / 32,
-                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, y.data_ptr(), n, false};
+  const LinearIo io = linear_io("amx_wo_linear", x_in, k, n, bias_in);
+  const int64_t m = io.x.size(0);
+  auto y = torch::empty({m, n}, io.x.options());
+  const Operands o{io.x.data_ptr<c10::BFloat16>(), k, nullptr, k / 32,
+                   io.bias.defined() ? io.bias.data_ptr<float>() : nullptr, y.data_ptr(), n, false};
   const int64_t pairs = (n / 16 + 1) / 2;
-  if (m == 0) return y.view(sizes);
+  if (m == 0) return y.view(io.out_sizes);
   at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) {
     const int64_t steps = m > 32 ? o.kb : std::min(o.kb, kRingSteps);
     std::vector<char> panel(static_cast<size_t>(2 * steps * 1024));
@@ -234,5 +216,5 @@ torch::Tensor amx_wo_linear(const torch::Tensor& x_in, const torch::Tensor& tile
                          groups, o.kb / groups, panel.data(), steps};
     pair_range(o, source, m, begin, end);
   });
-  return y.view(sizes);
+  return y.view(io.out_sizes);
 }
