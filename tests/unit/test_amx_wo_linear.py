@@ -70,7 +70,7 @@ def test_pack_layout(amx):
 
 @pytest.mark.parametrize("n,k,groups,zero_points", [(16, 32, 1, False), (48, 128, 2, True), (96, 576, 9, False),
                                                     (64, 1536, 24, True), (32, 256, 1, True)])
-@pytest.mark.parametrize("m", [1, 5, 16, 17, 32, 33, 70])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 32, 33, 48, 49, 64, 70])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_equals_amx_linear_on_the_dense_weight(amx, bits, m, n, k, groups, zero_points):
     q, scale, zero = int_operands(n, k, groups, zero_points, seed=m * 100 + n + k, bits=bits)

@@ -49,7 +49,7 @@ def test_pack_layout(amx):
 
 
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 64), (96, 576)])
-@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 32, 33, 64, 100])
+@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 32, 33, 47, 48, 49, 64, 65, 100])
 def test_linear_is_the_exact_product_rounded(amx, m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)

@@ -34,9 +34,9 @@ namespace {
 constexpr int64_t kNibblePrefetchNear = 1024;
 constexpr int64_t kNibblePrefetchFar = 8192;
 constexpr int64_t kCoefPrefetchAhead = 256;
-// K steps of dequantized tiles kept when x has at most one 32-row block (the panel then only has to outlive the tile
-// loads one step later): 8 KiB that stay in L1 instead of a whole panel whose lines are written once from L2. A power
-// of two (the tile loop masks the step).
+// K steps of dequantized tiles kept when the tiles pass over the weight once (up to 64 rows of x; the panel then only
+// has to outlive the tile loads one step later): 8 KiB that stay in L1 instead of a whole panel whose lines are
+// written once from L2. A power of two (the tile loop masks the step).
 constexpr int64_t kRingSteps = 4;
 
 #define ASCENT_WO_DEQUANT __attribute__((target("avx512f,avx512bw,avx512bf16")))
@@ -109,7 +109,7 @@ struct WoTiles {
   int64_t groups;        // G
   int64_t group_blocks;  // 32-column K blocks per group: K / 32 / G
   char* panel;           // this thread's: [2, steps, 16, 32] bf16
-  int64_t steps;         // K steps the panel holds: K / 32 when x has more than 32 rows, else a ring of kRingSteps
+  int64_t steps;         // K steps the panel holds: K / 32 when x has more than 64 rows, else a ring of kRingSteps
 
   const char* tiles(int64_t /*nb*/) const { return panel; }
   int64_t block_bytes() const { return steps * 1024; }
@@ -207,14 +207,25 @@ torch::Tensor amx_wo_linear(const torch::Tensor& x_in, const torch::Tensor& tile
   auto y = torch::empty({m, n}, io.x.options());
   const Operands o{io.x.data_ptr<c10::BFloat16>(), k, nullptr, k / 32,
                    io.bias.defined() ? io.bias.data_ptr<float>() : nullptr, y.data_ptr(), n, false};
-  const int64_t pairs = (n / 16 + 1) / 2;
   if (m == 0) return y.view(io.out_sizes);
-  at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) {
-    const int64_t steps = m > 32 ? o.kb : std::min(o.kb, kRingSteps);
-    std::vector<char> panel(static_cast<size_t>(2 * steps * 1024));
-    const WoTiles source{o, static_cast<const uint8_t*>(tiles.data_ptr()), tiles.size(3) * 16, coef.data_ptr<float>(),
-                         groups, o.kb / groups, panel.data(), steps};
-    pair_range(o, source, m, begin, end);
-  });
+  // one pass over the weight per column block (up to 64 rows): a ring; else the later 32-row blocks reuse the panel
+  const bool one_pass = m <= kRows64;
+  const int64_t steps = one_pass ? std::min(o.kb, kRingSteps) : o.kb;
+  const auto source_with = [&](std::vector<char>& panel) {
+    panel.resize(static_cast<size_t>(2 * steps * 1024));
+    return WoTiles{o, static_cast<const uint8_t*>(tiles.data_ptr()), tiles.size(3) * 16, coef.data_ptr<float>(),
+                   groups, o.kb / groups, panel.data(), steps};
+  };
+  if (m > 32 && one_pass) {
+    at::parallel_for(0, n / 16, 8, [&](int64_t begin, int64_t end) {
+      std::vector<char> panel;
+      block_range64(o, source_with(panel), m, begin, end);
+    });
+  } else {
+    at::parallel_for(0, (n / 16 + 1) / 2, 4, [&](int64_t begin, int64_t end) {
+      std::vector<char> panel;
+      pair_range(o, source_with(panel), m, begin, end);
+    });
+  }
   return y.view(io.out_sizes);
 }
