@@ -21,7 +21,8 @@ needs_amx_int8 = pytest.mark.skipif(not (quant_ops() and quant_ops().amx_int8_av
 
 @needs_amx_int8
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (17, 576, 960), (33, 1536, 48), (64, 192, 80), (100, 128, 32)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (17, 576, 960), (33, 1536, 48), (48, 576, 96), (49, 128, 48),
+                                   (64, 192, 80), (100, 128, 32)])
 def test_w8a8_amx_kernel_bit_identical(ops, dtype, m, k, n):
     g = gen(m * 7 + k + n)
     w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
@@ -38,7 +39,7 @@ def test_w8a8_amx_kernel_bit_identical(ops, dtype, m, k, n):
 
 @needs_amx_int8
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (20, 576, 96), (70, 128, 48)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (20, 576, 96), (40, 576, 96), (64, 128, 48), (70, 128, 48)])
 def test_w8a8_static_amx_kernel_bit_identical(ops, dtype, m, k, n):
     g = gen(m + k + n)
     w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
