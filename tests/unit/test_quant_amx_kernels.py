@@ -103,7 +103,8 @@ def test_decode_stack_call_w8a8_static(ops, modelslim):
 
 @needs_amx_int8
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (5, 576, 96), (17, 1536, 48), (40, 128, 80)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 16), (5, 576, 96), (17, 1536, 48), (24, 576, 96), (32, 256, 64),
+                                   (40, 128, 80)])
 def test_w8a16_amx_kernel(ops, dtype, m, k, n):
     """W8A16 on AMX-INT8 tiles (x as 16-bit fixed point, exact integer sums): within one rounding of the output;
     a row's result does not depend on the batch; x with a NaN gives None (the caller falls back)."""

@@ -107,7 +107,11 @@ at::Tensor w8a16_linear_amx(const at::Tensor& x_in, const at::Tensor& wp, const 
                         {nullptr, k, wp.data_ptr<int8_t>(), k / 64, n, nullptr, scale.data_ptr<float>(), nullptr,
                          b.empty() ? nullptr : b.data(), out.scalar_type(), out.data_ptr()}};
   const int64_t m = x.size(0), pairs = (n / 16 + 1) / 2;
-  if (m > 0) at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { amx_fx_pairs(f, m, begin, end); });
+  if (m > 16 && m <= 32) {  // one pass over the weight (amx_fx_block32)
+    at::parallel_for(0, n / 16, 8, [&](int64_t begin, int64_t end) { amx_fx_blocks32(f, m, begin, end); });
+  } else if (m > 0) {
+    at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { amx_fx_pairs(f, m, begin, end); });
+  }
   return like_x(out, x_in);
 }
 
