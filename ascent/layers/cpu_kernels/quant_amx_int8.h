@@ -164,6 +164,17 @@ struct AmxFxOperands {
   AmxI8Operands o;      // wp, kb, n, ws = per-channel scale, bias, dtype, y (xq, sx, qb unused)
 };
 
+// y[m, col .. col + 15] = (256 * hi + lo) * step[m] * scale (+ bias) from the row's int32 sums hi / lo.
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void amx_fx_store16(const AmxFxOperands& f, int64_t m,
+                                                                                 int64_t col, const int32_t* hi,
+                                                                                 const int32_t* lo) {
+  const __m512 h = _mm512_cvtepi32_ps(_mm512_loadu_si512(hi));
+  const __m512 l = _mm512_cvtepi32_ps(_mm512_loadu_si512(lo));
+  const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_fmadd_ps(h, _mm512_set1_ps(256.f), l),
+                                               _mm512_set1_ps(f.step[m])), _mm512_loadu_ps(f.o.ws + col));
+  store_y16(f.o, m, col, y);
+}
+
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void amx_fx_blocks(
     const AmxFxOperands& f, int64_t m0, int64_t rows, int64_t nb, int blocks, bool prefetch, int32_t* scratch) {
   const AmxI8Operands& o = f.o;
@@ -193,16 +204,9 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
   _tile_stored(5, scratch + 16, 128);
   _tile_stored(6, scratch + 16 * 32, 128);
   _tile_stored(7, scratch + 16 * 32 + 16, 128);
-  const __m512 scale256 = _mm512_set1_ps(256.f);
   for (int64_t r = 0; r < rows; ++r)
-    for (int b = 0; b < blocks; ++b) {
-      const int64_t col = 16 * (nb + b);
-      const __m512 h = _mm512_cvtepi32_ps(_mm512_loadu_si512(scratch + r * 32 + 16 * b));
-      const __m512 l = _mm512_cvtepi32_ps(_mm512_loadu_si512(scratch + 16 * 32 + r * 32 + 16 * b));
-      __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_fmadd_ps(h, scale256, l), _mm512_set1_ps(f.step[m0 + r])),
-                               _mm512_loadu_ps(o.ws + col));
-      store_y16(o, m0 + r, col, y);
-    }
+    for (int b = 0; b < blocks; ++b)
+      amx_fx_store16(f, m0 + r, 16 * (nb + b), scratch + r * 32 + 16 * b, scratch + 16 * 32 + r * 32 + 16 * b);
 }
 
 // 17 to 32 rows in one pass over the weight: one column block at a time, the hi and lo rows of both 16-row blocks
@@ -235,15 +239,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
   _tile_stored(5, scratch + 32 * 16, 64);
   _tile_stored(6, scratch + 16 * 16, 64);
   _tile_stored(7, scratch + 48 * 16, 64);
-  const __m512 scale256 = _mm512_set1_ps(256.f);
-  const int64_t col = 16 * nb;
-  for (int64_t r = 0; r < m; ++r) {
-    const __m512 h = _mm512_cvtepi32_ps(_mm512_loadu_si512(scratch + r * 16));
-    const __m512 l = _mm512_cvtepi32_ps(_mm512_loadu_si512(scratch + (32 + r) * 16));
-    const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_fmadd_ps(h, scale256, l), _mm512_set1_ps(f.step[r])),
-                                   _mm512_loadu_ps(o.ws + col));
-    store_y16(o, r, col, y);
-  }
+  for (int64_t r = 0; r < m; ++r) amx_fx_store16(f, r, 16 * nb, scratch + r * 16, scratch + (32 + r) * 16);
 }
 
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void amx_fx_blocks32(
