@@ -94,10 +94,7 @@ template <typename Source>
 __attribute__((target("amx-tile,amx-bf16"))) void column_blocks(const Operands& o, const Source& source, int64_t m0,
                                                                  int64_t rows0, int64_t rows1, int64_t nb,
                                                                  int blocks, bool first, float* scratch) {
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
+  ascent_tiles::zero_accumulators();
   const int64_t xstride = o.ldx * 2;
   const char* a0 = reinterpret_cast<const char*>(o.x + m0 * o.ldx);
   const char* a1 = reinterpret_cast<const char*>(o.x + (m0 + kRowsPerTile) * o.ldx);
@@ -170,10 +167,7 @@ template <typename Source>
 __attribute__((target("amx-tile,amx-bf16"))) void column_block64(const Operands& o, const Source& source, int64_t m,
                                                                   int64_t nb, float* scratch) {
   const int64_t last = (m - 1) / 16 * 16;  // first row of the last block: 32 or 48
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
+  ascent_tiles::zero_accumulators();
   const int64_t xstride = o.ldx * 2;
   const char* x = reinterpret_cast<const char*>(o.x);
   const char* b = source.tiles(nb);

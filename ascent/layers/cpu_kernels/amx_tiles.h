@@ -65,4 +65,12 @@ inline void prefetch_weight_tiles(const void* b0, const void* b1, int64_t k, int
   }
 }
 
+// Zeroes the accumulator tiles tmm4..7 the tile kernels use (the intrinsics take literal tile numbers).
+__attribute__((target("amx-tile"))) inline void zero_accumulators() {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+}
+
 }  // namespace ascent_tiles

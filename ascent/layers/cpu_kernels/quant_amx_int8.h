@@ -79,10 +79,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void amx_i8_store16(co
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void amx_i8_blocks(
     const AmxI8Operands& o, int64_t m0, int64_t rows0, int64_t rows1, int64_t nb, int blocks, bool prefetch,
     int32_t* scratch) {
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
+  ascent_tiles::zero_accumulators();
   const int8_t* a0 = o.xq + m0 * o.ldx;
   const int8_t* a1 = o.xq + (m0 + 16) * o.ldx;
   const int8_t* b0 = o.wp + nb * o.kb * 1024;
@@ -118,10 +115,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void amx_i8_block64(
     const AmxI8Operands& o, int64_t m, int64_t nb, bool prefetch, int32_t* scratch) {
   const int64_t full = (m - 1) / 16, last = 16 * full;  // full 16-row blocks before the last one (2 or 3)
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
+  ascent_tiles::zero_accumulators();
   const int8_t* b = o.wp + nb * o.kb * 1024;
   for (int64_t k = 0; k < o.kb; ++k) {
     if (prefetch) ascent_tiles::prefetch_weight_tiles(b, b, k, 1);
@@ -178,10 +172,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void amx_fx_store16(co
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void amx_fx_blocks(
     const AmxFxOperands& f, int64_t m0, int64_t rows, int64_t nb, int blocks, bool prefetch, int32_t* scratch) {
   const AmxI8Operands& o = f.o;
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
+  ascent_tiles::zero_accumulators();
   const int64_t k_bytes = o.kb * 64;
   const int8_t* hi = f.xhi + m0 * k_bytes;
   const int8_t* lo = f.xlo + m0 * k_bytes;
@@ -217,10 +208,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void amx_fx_block32(
     const AmxFxOperands& f, int64_t m, int64_t nb, bool prefetch, int32_t* scratch) {
   const AmxI8Operands& o = f.o;
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
+  ascent_tiles::zero_accumulators();
   const int64_t k_bytes = o.kb * 64;
   const int8_t* b = o.wp + nb * o.kb * 1024;
   for (int64_t k = 0; k < o.kb; ++k) {

@@ -121,8 +121,8 @@ class WeightOnlyLinear(QuantLinearScheme):
             return None
         bias = getattr(layer, "bias", None)
         spec = gemv.stack_spec(bias, getattr(layer, "wo_amx", None))
-        amx4 = getattr(layer, "wo_amx_bf16", None)
-        return amx4.stack_spec(spec, gemv.max_m, bias) if amx4 is not None else spec
+        tiles = getattr(layer, "wo_amx_bf16", None)
+        return tiles.stack_spec(spec, gemv.max_m, bias) if tiles is not None else spec
 
     def gemv_weight(self, layer: nn.Module) -> torch.Tensor:
         """The weight operand of the small-M kernel: int8 values [N, K] (shared with the int8pack operand)."""
@@ -155,9 +155,9 @@ class WeightOnlyLinear(QuantLinearScheme):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if use_reference(self):
             return self.apply_reference(layer, x, bias)
-        amx4 = getattr(layer, "wo_amx_bf16", None)
-        if amx4 is not None and amx4.takes(x):
-            return amx4.linear(x, bias)
+        tiles = getattr(layer, "wo_amx_bf16", None)
+        if tiles is not None and tiles.takes(x):
+            return tiles.linear(x, bias)
         gemv = getattr(layer, "wo_gemv", None)
         if gemv is not None and gemv_fits(x, gemv.max_m):
             return gemv.linear(x, bias)
