@@ -193,8 +193,8 @@ class RejectionSampler(nn.Module):
         if greedy.all() and not has_logits_processors(sampling_metadata) and target_logits.dtype == torch.float32:
             return _verify_all_greedy(spec, argmax_rows(target_logits).tolist())
         row_md = expand_sampling_metadata(sampling_metadata, spec)
-        if greedy.all() and not has_logits_processors(row_md) and target_logits.dtype == torch.float32:
-            processed = target_logits  # read only: greedy verification needs no processed copy
+        if not has_logits_processors(row_md) and target_logits.dtype == torch.float32:
+            processed = target_logits  # read only: the argmax and the out-of-place temperature need no copy
         else:
             processed = apply_logits_processors(
                 target_logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format), row_md
@@ -204,7 +204,8 @@ class RejectionSampler(nn.Module):
         if greedy.any():
             self._verify_greedy(spec, argmax_rows(processed).cpu().numpy(), greedy, accepted, final)
         if not greedy.all():
-            probs = torch.softmax(apply_random_transforms(processed, row_md), dim=-1)
+            probs = torch.softmax(apply_random_transforms(processed, row_md, inplace=processed is not target_logits),
+                                  dim=-1)
             self._verify_random(spec, draft_probs, probs, sampling_metadata.generators, ~greedy, accepted, final)
         return [drafts[:a] + [t] for drafts, a, t in zip(spec.draft_token_ids, accepted.tolist(), final.tolist())]
 

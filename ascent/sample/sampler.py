@@ -71,12 +71,13 @@ def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) ->
     return logits
 
 
-def apply_random_transforms(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Temperature (greedy rows use 1.0), min-p, top-k, top-p, in place on processed float32 ``[B, V]``."""
+def apply_random_transforms(logits: torch.Tensor, metadata: SamplingMetadata, inplace: bool = True) -> torch.Tensor:
+    """Temperature (greedy rows use 1.0), min-p, top-k, top-p on processed float32 ``[B, V]``: in place, or with
+    ``inplace=False`` on a new tensor (the division writes it), leaving ``logits`` as it was."""
     temperature = metadata.temperature.to(logits.dtype)
     if not metadata.all_random:
         temperature = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    logits.div_(temperature.unsqueeze(1))
+    logits = logits.div_(temperature.unsqueeze(1)) if inplace else logits.div(temperature.unsqueeze(1))
     if metadata.min_p is not None:
         apply_min_p(logits, metadata.min_p)
     return apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
@@ -114,22 +115,22 @@ class Sampler(nn.Module):
         """``logits``: ``[B, V]`` (any float dtype, not modified). Returns int64 ``[B, 1]`` tokens (+ logprobs)."""
         if logits.shape[0] != metadata.num_rows:
             raise ValueError(f"logits has {logits.shape[0]} rows but the metadata has {metadata.num_rows}.")
-        if metadata.all_greedy and not has_logits_processors(metadata) and logits.dtype == torch.float32:
-            processed = logits  # read only: the argmax needs no processed copy
-        else:
-            processed = apply_logits_processors(_fp32_copy(logits), metadata)
-        sampled = self._sample(processed, metadata)
+        read_only = not has_logits_processors(metadata) and logits.dtype == torch.float32
+        # read only: the argmax and the temperature's (out-of-place) division need no processed copy
+        processed = logits if read_only else apply_logits_processors(_fp32_copy(logits), metadata)
+        sampled = self._sample(processed, metadata, owned=not read_only)
         logprobs_tensors = None
         if metadata.max_num_logprobs is not None:
             logprobs_tensors = compute_logprobs_tensors(logits, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled.unsqueeze(1), logprobs_tensors=logprobs_tensors)
 
-    def _sample(self, processed: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def _sample(self, processed: torch.Tensor, metadata: SamplingMetadata, owned: bool) -> torch.Tensor:
+        """``owned``: ``processed`` is the sampler's own copy, which the random transforms may change in place."""
         greedy = None if metadata.all_random else argmax_rows(processed)
         if metadata.all_greedy:
             assert greedy is not None
             return greedy
-        probs = torch.softmax(apply_random_transforms(processed, metadata), dim=-1)
+        probs = torch.softmax(apply_random_transforms(processed, metadata, inplace=owned), dim=-1)
         random = self.random_sampler.sample(probs, metadata.generators)
         if greedy is None:
             return random

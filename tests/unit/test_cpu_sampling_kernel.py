@@ -39,6 +39,28 @@ def test_bit_identical_to_cumsum_searchsorted(kernels, rows, vocab):
     assert torch.equal(kernels.inverse_cdf_sample(probs, ones), _torch_inverse_cdf(probs, ones))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_summed_together_and_block_edges_match_torch_path(kernels, threads):
+    """Up to 8 rows share one summing pass and each row's crossing is rescanned from the running sum kept every 256
+    tokens: targets on and beside those block edges, zero runs across blocks and groups with a partial tail."""
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab = 21, 4099
+    probs = torch.rand(rows, vocab, generator=gen) ** 4
+    probs[1, :700] = 0.0
+    probs[2, 300:3000] = 0.0
+    probs[3, :-1] = 0.0
+    cdf = probs.double().cumsum(-1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in (0, 255, 256, 511, 512, 767, 4095, vocab - 2):
+            for nudge in (-1e-12, 0.0, 1e-12):
+                u = (cdf[:, k] / cdf[:, -1] + nudge).clamp(1e-300, 1.0)
+                assert torch.equal(kernels.inverse_cdf_sample(probs, u), _torch_inverse_cdf(probs, u))
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_degenerate_rows_match_torch_path(kernels):
     probs = torch.zeros(2, 5)
     probs[1, 2] = 1.0

@@ -2,24 +2,67 @@
 //
 // ``torch.searchsorted(cumsum(probs.double()), u * total, right=True)`` converts [B,V] to fp64, writes the whole
 // cumulative sum and searches it: three passes and two [B,V] fp64 tensors. Here each row is summed once in fp64 in
-// the same left-to-right order as torch's CPU cumsum (so every partial sum, hence the chosen token, is bit-identical)
-// and then scanned only up to the crossing.
+// the same left-to-right order as torch's CPU cumsum (so every partial sum, hence the chosen token, is bit-identical),
+// keeping the running sum every kCdfCheckpoint elements; the crossing is then found among those checkpoints and
+// rescanned within one block from the checkpoint before it. One row's sum is a chain of dependent fp64 adds (4 cycles
+// each), so up to kCdfRows rows advance together, each in its own order: at 64 rows x 49,152 tokens, 2 threads, the
+// draw took 1.29 ms with one row at a time (sum pass + scan to the crossing).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
-// First index i with cdf[i] > target, where cdf is the running fp64 sum of row[0..V); V when no such index.
-int64_t first_cdf_above(const float* row, int64_t vocab, double target) {
-  double acc = 0.0;
-  for (int64_t i = 0; i < vocab; ++i) {
+constexpr int kCdfRows = 8;              // rows whose fp64 running sums advance together (independent add chains)
+constexpr int64_t kCdfCheckpoint = 256;  // elements between two kept running sums
+
+// For the R rows at rows[0..R): marks[r * blocks + c] = the fp64 running sum of row r over [0, min((c + 1) * K, V)),
+// K = kCdfCheckpoint, blocks = ceil(V / K); each row's adds in its own left-to-right order (torch's cumsum's).
+template <int R>
+void running_sum_marks(const float* const* rows, int64_t vocab, double* marks) {
+  const int64_t blocks = (vocab + kCdfCheckpoint - 1) / kCdfCheckpoint;
+  double acc[R] = {};
+  for (int64_t c = 0; c < blocks; ++c) {
+    const int64_t end = std::min(vocab, (c + 1) * kCdfCheckpoint);
+    for (int64_t i = c * kCdfCheckpoint; i < end; ++i)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r] += static_cast<double>(rows[r][i]);
+    for (int r = 0; r < R; ++r) marks[r * blocks + c] = acc[r];
+  }
+}
+
+void running_sum_marks(const float* const* rows, int n, int64_t vocab, double* marks) {
+  switch (n) {
+    case 1: return running_sum_marks<1>(rows, vocab, marks);
+    case 2: return running_sum_marks<2>(rows, vocab, marks);
+    case 3: return running_sum_marks<3>(rows, vocab, marks);
+    case 4: return running_sum_marks<4>(rows, vocab, marks);
+    case 5: return running_sum_marks<5>(rows, vocab, marks);
+    case 6: return running_sum_marks<6>(rows, vocab, marks);
+    case 7: return running_sum_marks<7>(rows, vocab, marks);
+    default: return running_sum_marks<kCdfRows>(rows, vocab, marks);
+  }
+}
+
+// First index i with cdf[i] > target, where cdf is the running fp64 sum of row[0..V) whose value after every
+// kCdfCheckpoint elements is in marks (running_sum_marks); V when no such index. The sums are non-decreasing, so the
+// crossing lies in the first block whose closing sum exceeds target, rescanned from the previous block's sum.
+int64_t first_cdf_above(const float* row, int64_t vocab, const double* marks, double target) {
+  const int64_t blocks = (vocab + kCdfCheckpoint - 1) / kCdfCheckpoint;
+  int64_t c = 0;
+  while (c < blocks && !(marks[c] > target)) ++c;
+  if (c == blocks) return vocab;
+  double acc = c > 0 ? marks[c - 1] : 0.0;
+  const int64_t end = std::min(vocab, (c + 1) * kCdfCheckpoint);
+  for (int64_t i = c * kCdfCheckpoint; i < end; ++i) {
     acc += static_cast<double>(row[i]);
     if (acc > target) return i;
   }
-  return vocab;
+  return vocab;  // unreachable: the block's closing sum exceeds target
 }
 
 // The last index with a positive weight; V-1 for a row without one (as the torch path's flip/argmax gives).
@@ -140,13 +183,21 @@ torch::Tensor inverse_cdf_sample(const torch::Tensor& probs, const torch::Tensor
   const float* pd = p.data_ptr<float>();
   const double* ud = uc.data_ptr<double>();
   int64_t* od = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = pd + r * vocab;
-      double total = 0.0;
-      for (int64_t i = 0; i < vocab; ++i) total += static_cast<double>(row[i]);
-      const int64_t idx = first_cdf_above(row, vocab, ud[r] * total);
-      od[r] = idx < vocab ? idx : last_positive(row, vocab);
+  const int64_t blocks = (vocab + kCdfCheckpoint - 1) / kCdfCheckpoint;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t group = std::clamp<int64_t>((rows + threads - 1) / threads, 1, kCdfRows);  // rows per sum pass
+  at::parallel_for(0, (rows + group - 1) / group, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> marks(static_cast<size_t>(group * blocks));
+    const float* row_ptrs[kCdfRows];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t r0 = g * group, n = std::min(group, rows - r0);
+      for (int64_t r = 0; r < n; ++r) row_ptrs[r] = pd + (r0 + r) * vocab;
+      running_sum_marks(row_ptrs, static_cast<int>(n), vocab, marks.data());
+      for (int64_t r = 0; r < n; ++r) {
+        const double* row_marks = marks.data() + r * blocks;
+        const int64_t idx = first_cdf_above(row_ptrs[r], vocab, row_marks, ud[r0 + r] * row_marks[blocks - 1]);
+        od[r0 + r] = idx < vocab ? idx : last_positive(row_ptrs[r], vocab);
+      }
     }
   });
   return out;

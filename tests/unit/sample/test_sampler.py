@@ -65,6 +65,26 @@ def test_all_greedy_batches_leave_the_logits_unmodified(extra) -> None:
                           atol=1e-5)
 
 
+@pytest.mark.parametrize("placement", RNG_PLACEMENTS)
+def test_random_rows_without_processors_leave_the_logits_unmodified(placement: str) -> None:
+    """Random rows without logits processors read the caller's logits (the temperature's division writes a new
+    tensor, on which min-p / top-k / top-p then work in place): the logits stay as they were and the tokens equal
+    those drawn from a copy with the same seeds."""
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.3, top_k=5, min_p=0.05), SamplingParams(temperature=0.5, top_p=0.8)]
+    logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(3)) * 2
+    before = logits.clone()
+
+    def draw(x: torch.Tensor) -> list[int]:
+        gens = {row: make_generator(10 + row, placement, CPU) for row in (0, 2, 3)}
+        return Sampler(placement)(x, _metadata(params, gens)).sampled_token_ids.view(-1).tolist()
+
+    tokens = draw(logits)
+    assert torch.equal(logits, before)
+    assert tokens == draw(before.clone())
+    assert tokens[1] == int(before[1].argmax())
+
+
 def _seeded_run(placement: str, seed: int, layout: list[str], step_logits: torch.Tensor) -> list[int]:
     """Run STEPS steps of a batch; ``layout`` names each row ("me", "greedy", "free", "other_seed")."""
     me = layout.index("me")
