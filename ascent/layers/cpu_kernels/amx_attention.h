@@ -143,6 +143,9 @@ ASCENT_AMX_ATTENTION void amx_scores(const AmxAttnUnit& u, int64_t base, int64_t
     // the next pair of tiles' key rows: their misses in flight while this pair computes
     for (int64_t j = base + (b + 2) * kAmxScoreKeys; j < std::min<int64_t>(last, base + (b + 4) * kAmxScoreKeys); ++j)
       prefetch_row(u.kbase + u.slots[j] * u.row_w, D);
+    // this pair's value rows toward L2, for amx_fill_vt after the softmax
+    for (int64_t j = base + b * kAmxScoreKeys; j < std::min<int64_t>(last, base + (b + 2) * kAmxScoreKeys); ++j)
+      prefetch_row_to_l2(u.vbase + u.slots[j] * u.row_w, D);
     int64_t s0 = 0, s1 = 0;
     const bf16* k0 = amx_key_rows<D>(u, base + b * kAmxScoreKeys, end, s.kg.data(), s0);
     const bf16* k1 = amx_key_rows<D>(u, base + (b + 1) * kAmxScoreKeys, end, s.kg.data() + kAmxScoreKeys * D, s1);
@@ -262,12 +265,16 @@ ASCENT_AVX512 inline void interleave_value_pair(const bf16* v0, const bf16* v1, 
 }
 
 // V B tiles of every 32-key block from `base`: vt[blk][db][r][c][t] = v_{base + 32 blk + 2r + t}[16 db + c] (keys at
-// or past `end` are zero rows). Written in one pass before the tile loads read them.
+// or past `end` are zero rows). Written in one pass before the tile loads read them. The value rows were sent toward
+// L2 during amx_scores and each block prefetches the next into L1: SmolLM2 shapes, 64 rows of 150-380 keys, 30 layers
+// from DRAM, 2 threads, interleaved in one process: 0.93x the time of neither (L2 only 0.95x, L1 only 0.97x).
 template <int D>
 ASCENT_AVX512 void amx_fill_vt(const AmxAttnUnit& u, int64_t base, int64_t end, int64_t blocks, AmxAttnScratch& s) {
   s.vt.resize(static_cast<size_t>(blocks * D / 16 * 512));
   for (int64_t blk = 0; blk < blocks; ++blk) {
     uint16_t* tiles = s.vt.data() + blk * D / 16 * 512;
+    for (int64_t k = base + (blk + 1) * kAmxValueKeys; k < std::min<int64_t>(end, base + (blk + 2) * kAmxValueKeys); ++k)
+      prefetch_row(u.vbase + u.slots[k] * u.row_w, D);  // the next block's rows, from L2 into L1
     for (int64_t r = 0; r < kAmxValueKeys / 2; ++r) {
       const int64_t k0 = base + blk * kAmxValueKeys + 2 * r, k1 = k0 + 1;
       const bf16* v0 = k0 < end ? u.vbase + u.slots[k0] * u.row_w : nullptr;

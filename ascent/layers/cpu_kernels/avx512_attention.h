@@ -44,6 +44,11 @@ inline void prefetch_row(const bf16* row, int64_t elems) {
   for (int64_t b = 0; b < elems * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
 }
 
+// The same toward L2 only (PREFETCHT2): for rows needed a phase later, without holding L1 fill buffers meanwhile.
+inline void prefetch_row_to_l2(const bf16* row, int64_t elems) {
+  for (int64_t b = 0; b < elems * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T2);
+}
+
 // r[j] = sum of the 16 lanes of v[j], j < 16 (lane j of the result holds key j's score).
 ASCENT_AVX512 inline __m512 fold16(const __m512* v) {
   __m512 s[8], u[4], r[2];
