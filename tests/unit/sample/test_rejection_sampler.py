@@ -174,12 +174,15 @@ def test_identical_draft_and_target_accepts_everything(method: str) -> None:
 
 @pytest.mark.parametrize("method", METHODS)
 def test_output_shape_and_support(method: str) -> None:
-    """Each output is an accepted prefix + one token that is never outside the top-k support."""
+    """Each output is an accepted prefix + one token that is never outside the top-k support; the caller's target
+    logits are left as they were."""
     gen = torch.Generator().manual_seed(4)
     spec = SpecDecodeMetadata([[1, 2, 3], [], [4], [-1, 2]] * 25)
     logits = torch.randn(spec.total_rows, VOCAB, generator=gen)
     params = [SamplingParams(temperature=0.9, top_k=3)] * spec.num_requests
+    before = logits.clone()
     out = RejectionSampler(method)(spec, _draft_probs(spec, 8), logits, _md(params), False)
+    assert torch.equal(logits, before)  # no processors: the target logits are read, never written
     top3 = logits.topk(3, dim=-1).indices
     for i, (o, d) in enumerate(zip(out, spec.draft_token_ids)):
         assert 1 <= len(o) <= len(d) + 1 and o[:-1] == d[: len(o) - 1]
