@@ -95,10 +95,10 @@ def _run_latency(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def register_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``bench`` with the ``throughput``, ``latency``, ``serve``, ``startup`` and ``spec`` sub-commands (each sets
-    ``func``)."""
+    """Add ``bench`` with the ``throughput``, ``latency``, ``serve``, ``startup``, ``spec``, ``eplb``, ``quant`` and
+    ``sched`` sub-commands (each sets ``func``)."""
     bench = subparsers.add_parser("bench", help="benchmarks (JSON with vLLM's key names)")
-    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput,latency,serve,startup,spec,eplb,quant}",
+    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput,latency,serve,startup,spec,eplb,quant,sched}",
                                     required=True)
     throughput = commands.add_parser("throughput", help="B1 offline throughput vs the HF peer",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -120,4 +120,7 @@ def register_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     from ascent.benchmarks.quant import register_quant_bench_parser
 
     register_quant_bench_parser(commands)
+    from ascent.benchmarks.sched import register_sched_bench_parser
+
+    register_sched_bench_parser(commands)
     return bench

@@ -138,6 +138,12 @@ class ModelRunner:
             write_drafts(batch, so.scheduled_spec_decode_tokens)
 
     # ------------------------------------------------------------------------------------------------ inputs
+    def prepare_host_inputs(self, so: SchedulerOutput) -> PreparedInputs:
+        """The host work of a step before the forward pass: the persistent batch updated from ``so`` and its inputs
+        prepared (needs no model; ``ascent bench sched`` times it). ``so`` must schedule at least one token."""
+        self._update_states(so)
+        return self._prepare_inputs(so)
+
     def _prepare_inputs(self, so: SchedulerOutput) -> PreparedInputs:
         batch = self.input_batch
         rows = np.fromiter((batch.req_id_to_index[r] for r in so.num_scheduled_tokens), dtype=np.int64)

@@ -123,6 +123,26 @@ def test_latency_smoke(tiny_llama_dir: str, tmp_path) -> None:
     _check_env_and_roofline(data)
 
 
+def test_sched_smoke(tiny_llama_dir: str, tmp_path) -> None:
+    """B4 runs the real scheduler and the runner's host side on a fake model: per-phase medians, per-sequence
+    figures consistent with them, and the runner's batch mirroring the scheduler (checked inside the bench)."""
+    out = tmp_path / "sched.json"
+    args = _parse(["bench", "sched", "--model", tiny_llama_dir, "--num-seqs", "3,40", "--prompt-len", "70",
+                   "--steps", "5", "--warmup-steps", "2", "--output-json", str(out)])
+    args.func(args)
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "sched" and data["steps"] == 5 and data["block_size"] == 16
+    assert [r["num_seqs"] for r in data["results"]] == [3, 40]
+    for r in data["results"]:
+        assert all(_positive(r[f"{k}_us_per_step"]) for k in ("schedule", "update", "input_prep"))
+        assert r["scheduler_us_per_step"] == pytest.approx(r["schedule_us_per_step"] + r["update_us_per_step"])
+        assert r["host_us_per_step"] == pytest.approx(r["scheduler_us_per_step"] + r["input_prep_us_per_step"])
+        assert r["scheduler_us_per_seq"] == pytest.approx(r["scheduler_us_per_step"] / r["num_seqs"])
+    assert all(k in data["env"] for k in ENV_KEYS)
+    with pytest.raises(ValueError, match="num_seqs"):
+        args.func(_parse(["bench", "sched", "--model", tiny_llama_dir, "--num-seqs", "0"]))
+
+
 def _tiny_config(kind: str, tied: bool):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
