@@ -200,6 +200,9 @@ class KVCacheManager:
         queue cannot supply them. On success the hit blocks are referenced and every full block up to
         ``min(computed + num_new_computed_tokens + num_new_tokens, request.num_tokens)`` is cached.
         """
+        if not new_computed_blocks and num_new_computed_tokens == 0 and self._fits_held_blocks(
+                request, num_new_tokens, num_lookahead_tokens):
+            return []
         hits = list(new_computed_blocks or [])
         self._validate_allocation(request, num_new_tokens, num_new_computed_tokens, hits, num_lookahead_tokens)
         mgr = self.single_manager
@@ -220,6 +223,24 @@ class KVCacheManager:
         if self.enable_caching:
             mgr.cache_blocks(request, num_to_cache)
         return new_blocks
+
+    def _fits_held_blocks(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int) -> bool:
+        """Whether ``allocate_slots`` without prefix hits would change nothing and return no blocks: the slots fit in
+        the blocks the request holds and no block became full (most decode steps). Negative counts go the full path,
+        which rejects them."""
+        if num_new_tokens < 0 or num_lookahead_tokens < 0:
+            return False
+        mgr = self.single_manager
+        held = mgr.req_to_blocks.get(request.request_id)
+        if held is None:
+            return False
+        num_computed = request.num_computed_tokens
+        num_need_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        if cdiv(num_need_slots, self.block_size) > len(held):
+            return False
+        num_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
+        return not self.enable_caching or num_to_cache // self.block_size <= mgr.num_cached_block.get(
+            request.request_id, 0)
 
     def _validate_allocation(
         self,

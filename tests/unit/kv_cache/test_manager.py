@@ -129,6 +129,30 @@ def test_generated_tokens_are_cached_and_rehit_after_preemption() -> None:
     assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 13, 12)
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_decode_steps_allocate_and_cache_only_at_block_edges(caching: bool) -> None:
+    """A decode step whose slot fits in the held blocks and fills no block returns no blocks and changes nothing (the
+    fast path); the step that fills a block caches it, the step past it allocates one block."""
+    bs = 4
+    mgr = KVCacheManager(num_blocks=16, block_size=bs, max_model_len=64, enable_caching=caching)
+    r = make_request("r", list(range(5)), bs)
+    admit(mgr, r)  # 5 tokens: blocks 0 (full) and 1
+    for step in range(10):
+        r.append_output_token_ids(9)  # token 6 + step; its slot is position 5 + step
+        before = pool_snapshot(mgr, ["r"])
+        blocks = mgr.allocate_slots(r, 1)
+        position = r.num_computed_tokens
+        r.num_computed_tokens += 1
+        assert blocks is not None and len(blocks) == (1 if position % bs == 0 else 0), step
+        if position % bs == 0:
+            assert mgr.get_block_ids("r")[-1] == blocks[0].block_id
+        elif (position + 1) % bs != 0:
+            assert pool_snapshot(mgr, ["r"]) == before, step
+        assert mgr.block_pool.num_cached_blocks == (min(r.num_computed_tokens, r.num_tokens) // bs if caching else 0)
+    with pytest.raises(ValueError, match="num_new_tokens.*-1"):
+        mgr.allocate_slots(r, -1)
+
+
 def test_reverse_free_order_evicts_chain_tail_first() -> None:
     bs = 4
     mgr = KVCacheManager(num_blocks=9, block_size=bs, max_model_len=64)  # 8 usable
