@@ -22,7 +22,8 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags every engine-running bench shares."""
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
                        help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
@@ -44,7 +45,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
-    _add_engine_args(parser)
+    add_engine_args(parser)
     parser.add_argument("--output-json", default=None, help="write the result JSON to this path")
     parser.add_argument("--no-peer", action="store_true", help="skip the HF transformers peer")
     roof = parser.add_argument_group("roofline calibration (B0)")
@@ -95,10 +96,10 @@ def _run_latency(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def register_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``bench`` with the ``throughput``, ``latency``, ``serve``, ``startup``, ``spec``, ``eplb``, ``quant`` and
-    ``sched`` sub-commands (each sets ``func``)."""
+    """Add ``bench`` with the ``throughput``, ``latency``, ``serve``, ``startup``, ``spec``, ``eplb``, ``quant``,
+    ``sched`` and ``prefix`` sub-commands (each sets ``func``)."""
     bench = subparsers.add_parser("bench", help="benchmarks (JSON with vLLM's key names)")
-    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput,latency,serve,startup,spec,eplb,quant,sched}",
+    commands = bench.add_subparsers(dest="bench_command", metavar="{throughput,latency,serve,startup,spec,eplb,quant,sched,prefix}",
                                     required=True)
     throughput = commands.add_parser("throughput", help="B1 offline throughput vs the HF peer",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -123,4 +124,7 @@ def register_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     from ascent.benchmarks.sched import register_sched_bench_parser
 
     register_sched_bench_parser(commands)
+    from ascent.benchmarks.prefix import register_prefix_bench_parser
+
+    register_prefix_bench_parser(commands)
     return bench

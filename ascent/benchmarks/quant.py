@@ -338,9 +338,9 @@ def format_table(result: dict[str, Any]) -> str:
 
 def add_quant_bench_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``ascent bench quant`` (engine flags shared with the other bench commands)."""
-    from ascent.benchmarks.cli import _add_engine_args, positive_int
+    from ascent.benchmarks.cli import add_engine_args, positive_int
 
-    _add_engine_args(parser)
+    add_engine_args(parser)
     parser.set_defaults(dtype="bfloat16", kv_cache_memory_bytes=256 << 20)
     parser.add_argument("--schemes", default=",".join(ALL_SCHEMES), help="comma-separated schemes to compare")
     parser.add_argument("--format", default="compressed-tensors", choices=("compressed-tensors", "modelslim"),

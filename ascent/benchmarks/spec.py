@@ -454,9 +454,9 @@ def format_summary(result: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------------ CLI
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``ascent bench spec``."""
-    from ascent.benchmarks.cli import positive_int, _add_engine_args
+    from ascent.benchmarks.cli import positive_int, add_engine_args
 
-    _add_engine_args(parser)
+    add_engine_args(parser)
     parser.add_argument("--output-json", default=None, help="write the result JSON to this path")
     parser.add_argument("--methods", default="ngram,suffix,suffix+dynamic,draft_model",
                         help=f"comma-separated methods of {BENCH_METHODS}, each optionally '+dynamic'")

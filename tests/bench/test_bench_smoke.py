@@ -143,6 +143,25 @@ def test_sched_smoke(tiny_llama_dir: str, tmp_path) -> None:
         args.func(_parse(["bench", "sched", "--model", tiny_llama_dir, "--num-seqs", "0"]))
 
 
+def test_prefix_smoke(tiny_llama_dir: str, tmp_path) -> None:
+    """B5: with caching every request after the first reuses floor(prefix / block) * block tokens, without it none;
+    TTFTs come from the engine's request metrics."""
+    out = tmp_path / "prefix.json"
+    args = _parse(["bench", "prefix", "--model", tiny_llama_dir, "--num-prompts", "3", "--prefix-len", "40",
+                   "--suffix-len", "5", "--num-threads", "1", "--output-json", str(out)])
+    args.func(args)
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "prefix" and data["block_size"] == 16 and data["expected_cached_tokens"] == 32
+    assert data["caching"]["cached_tokens"] == [0, 32, 32] and data["no_caching"]["cached_tokens"] == [0, 0, 0]
+    assert data["hit_rate_after_first"] == pytest.approx(32 / 45) == data["expected_hit_rate_after_first"]
+    for engine in ("caching", "no_caching"):
+        assert len(data[engine]["ttfts_ms"]) == 3 and all(_positive(t) for t in data[engine]["ttfts_ms"])
+    assert data["ttft_ratio_caching_vs_not"] == pytest.approx(
+        data["caching"]["mean_ttft_ms"] / data["no_caching"]["mean_ttft_ms"])
+    with pytest.raises(ValueError, match="suffix_len=0"):
+        args.func(_parse(["bench", "prefix", "--model", tiny_llama_dir, "--suffix-len", "0"]))
+
+
 def _tiny_config(kind: str, tied: bool):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
