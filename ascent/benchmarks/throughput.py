@@ -14,6 +14,7 @@ import numpy as np
 from ascent.benchmarks.common import Timer, collect_env, dtype_name, pin_threads, safe_ratio, write_json
 from ascent.benchmarks.datasets import (BenchRequest, length_summary, resolve_len_range, sample_requests)
 from ascent.benchmarks.hf_peer import load_peer_model, peer_throughput, throughput_metrics
+from ascent.benchmarks.memory import memory_report
 from ascent.benchmarks.roofline import (
     RooflineSizes,
     calibrate,
@@ -131,6 +132,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     engine_generate(llm, warmup, args.temperature, not args.disable_detokenize)
     with Timer() as timer:
         produced = engine_generate(llm, requests, args.temperature, not args.disable_detokenize)
+    memory = memory_report(llm)  # B7, before the calibration's and the peer's allocations
     calibration = merge_calibrations(calibration, calibrate(mc.torch_dtype, roofline_sizes(args)))
     lengths = length_summary(requests)
     result: dict[str, Any] = throughput_metrics(timer.elapsed, len(requests), lengths["total_input_tokens"], produced)
@@ -159,6 +161,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
                                     peer["output_tokens_per_second"] if peer else None),
         "roofline": report,
         "startup": dict(getattr(llm.llm_engine, "timings", {}) or {}),
+        "memory": memory,
         "env": collect_env(mc.torch_dtype, threads),
     })
     if args.output_json:
@@ -228,6 +231,12 @@ def format_summary(result: dict[str, Any]) -> str:
         lines.append(f"  workload roofline: {_fmt(workload['seconds'])} s (prefill {_fmt(workload['prefill_s'])} s at "
                      f"peak FLOP/s + {workload['decode_steps']} decode steps {_fmt(workload['decode_s'])} s)  "
                      f"ascent at {_fmt(roof['achieved_fraction_of_workload_roofline'], '.3f')} of it")
+    memory = result.get("memory")
+    if memory and memory["weights_bytes"] is not None:
+        lines.append(f"  memory (B7): peak RSS {memory['peak_rss_bytes'] / 2**20:.0f} MiB = "
+                     f"{_fmt(memory['peak_rss_over_weights_plus_kv'], '.2f')} x (weights "
+                     f"{memory['weights_bytes'] / 2**20:.0f} MiB + KV cache {memory['kv_cache_bytes'] / 2**20:.0f} MiB)"
+                     f"  (target <= {memory['target_ratio']:g})")
     other = result.get("profile_comparison")
     if other:
         lines.append(f"  profile {other['hardware_profile']} ({other['dtype']}): {_fmt(other['output_tokens_per_second'])} "

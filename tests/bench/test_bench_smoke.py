@@ -80,6 +80,24 @@ def test_throughput_smoke(tiny_llama_dir: str, tmp_path) -> None:
     assert data["roofline"]["ceilings"]["batch_size"] == 4
     assert data["env"]["num_threads"] == 1 and data["dtype"] == "bfloat16"
     _check_env_and_roofline(data)
+    _check_memory(data["memory"], tiny_llama_dir)
+
+
+def _check_memory(memory: dict, model_dir: str) -> None:
+    """B7: RSS figures and the engine's own bytes (every checkpoint parameter at least once, in bf16)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    params = 0
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            params += sum(f.get_slice(name).get_shape().numel() if hasattr(f.get_slice(name).get_shape(), "numel")
+                          else math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    assert memory["weights_bytes"] >= 2 * params > 0 and _positive(memory["kv_cache_bytes"])
+    assert memory["current_rss_bytes"] <= memory["peak_rss_bytes"]
+    assert memory["peak_rss_over_weights_plus_kv"] == pytest.approx(
+        memory["peak_rss_bytes"] / (memory["weights_bytes"] + memory["kv_cache_bytes"]))
 
 
 def test_throughput_profile_comparison(tiny_llama_dir: str, tmp_path) -> None:
