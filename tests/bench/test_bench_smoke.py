@@ -33,6 +33,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _run_bench(argv: list[str], out) -> tuple[argparse.Namespace, dict]:
+    """Run ``ascent bench ARGV --output-json OUT``; returns the parsed arguments and the JSON it wrote."""
+    args = _parse([*argv, "--output-json", str(out)])
+    args.func(args)
+    return args, json.loads(out.read_text())
+
+
 def _positive(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
@@ -144,11 +151,8 @@ def test_latency_smoke(tiny_llama_dir: str, tmp_path) -> None:
 def test_sched_smoke(tiny_llama_dir: str, tmp_path) -> None:
     """B4 runs the real scheduler and the runner's host side on a fake model: per-phase medians, per-sequence
     figures consistent with them, and the runner's batch mirroring the scheduler (checked inside the bench)."""
-    out = tmp_path / "sched.json"
-    args = _parse(["bench", "sched", "--model", tiny_llama_dir, "--num-seqs", "3,40", "--prompt-len", "70",
-                   "--steps", "5", "--warmup-steps", "2", "--output-json", str(out)])
-    args.func(args)
-    data = json.loads(out.read_text())
+    args, data = _run_bench(["bench", "sched", "--model", tiny_llama_dir, "--num-seqs", "3,40", "--prompt-len", "70",
+                             "--steps", "5", "--warmup-steps", "2"], tmp_path / "sched.json")
     assert data["benchmark"] == "sched" and data["steps"] == 5 and data["block_size"] == 16
     assert [r["num_seqs"] for r in data["results"]] == [3, 40]
     for r in data["results"]:
@@ -164,11 +168,8 @@ def test_sched_smoke(tiny_llama_dir: str, tmp_path) -> None:
 def test_prefix_smoke(tiny_llama_dir: str, tmp_path) -> None:
     """B5: with caching every request after the first reuses floor(prefix / block) * block tokens, without it none;
     TTFTs come from the engine's request metrics."""
-    out = tmp_path / "prefix.json"
-    args = _parse(["bench", "prefix", "--model", tiny_llama_dir, "--num-prompts", "3", "--prefix-len", "40",
-                   "--suffix-len", "5", "--num-threads", "1", "--output-json", str(out)])
-    args.func(args)
-    data = json.loads(out.read_text())
+    args, data = _run_bench(["bench", "prefix", "--model", tiny_llama_dir, "--num-prompts", "3", "--prefix-len", "40",
+                             "--suffix-len", "5", "--num-threads", "1"], tmp_path / "prefix.json")
     assert data["benchmark"] == "prefix" and data["block_size"] == 16 and data["expected_cached_tokens"] == 32
     assert data["caching"]["cached_tokens"] == [0, 32, 32] and data["no_caching"]["cached_tokens"] == [0, 0, 0]
     assert data["hit_rate_after_first"] == pytest.approx(32 / 45) == data["expected_hit_rate_after_first"]
