@@ -74,7 +74,8 @@ def peak_rss_bytes() -> int:
 
 def memory_report(llm: Any) -> dict[str, Any]:
     """Peak / current RSS, the model's weight bytes (every tensor its modules hold, packed copies included, shared
-    storage once; the KV cache bound to attention layers excluded) and the KV cache bytes; None figures for an engine whose model lives in worker processes."""
+    storage once; the KV cache bound to attention layers excluded) and the KV cache bytes; None figures for an
+    engine whose model lives in worker processes."""
     current = current_rss_bytes()
     # the kernel updates ru_maxrss lazily, so a fresh current figure can exceed it
     report: dict[str, Any] = {"peak_rss_bytes": max(peak_rss_bytes(), current or 0), "current_rss_bytes": current,

@@ -273,7 +273,8 @@ ASCENT_AVX512 void amx_fill_vt(const AmxAttnUnit& u, int64_t base, int64_t end, 
   s.vt.resize(static_cast<size_t>(blocks * D / 16 * 512));
   for (int64_t blk = 0; blk < blocks; ++blk) {
     uint16_t* tiles = s.vt.data() + blk * D / 16 * 512;
-    for (int64_t k = base + (blk + 1) * kAmxValueKeys; k < std::min<int64_t>(end, base + (blk + 2) * kAmxValueKeys); ++k)
+    const int64_t next_end = std::min<int64_t>(end, base + (blk + 2) * kAmxValueKeys);
+    for (int64_t k = base + (blk + 1) * kAmxValueKeys; k < next_end; ++k)
       prefetch_row(u.vbase + u.slots[k] * u.row_w, D);  // the next block's rows, from L2 into L1
     for (int64_t r = 0; r < kAmxValueKeys / 2; ++r) {
       const int64_t k0 = base + blk * kAmxValueKeys + 2 * r, k1 = k0 + 1;
