@@ -17,13 +17,18 @@ import numpy as np
 from ascent.benchmarks.common import collect_env, dtype_name, percentiles, pin_threads, safe_ratio, write_json
 
 
+def check_prompt_sizes(num_prompts: int, prefix_len: int, suffix_len: int) -> None:
+    """ValueError naming the sizes unless num_prompts >= 1, prefix_len >= 0 and suffix_len >= 1."""
+    if num_prompts < 1 or prefix_len < 0 or suffix_len < 1:
+        raise ValueError(f"num_prompts={num_prompts!r} must be >= 1, prefix_len={prefix_len!r} >= 0 and "
+                         f"suffix_len={suffix_len!r} >= 1")
+
+
 def shared_prefix_prompts(num_prompts: int, prefix_len: int, suffix_len: int, vocab: int,
                           seed: int) -> list[list[int]]:
     """``num_prompts`` token lists: one shared random prefix, then ``suffix_len`` random tokens of each prompt's own
     (ids in [0, vocab))."""
-    if num_prompts < 1 or prefix_len < 0 or suffix_len < 1:
-        raise ValueError(f"num_prompts={num_prompts!r} must be >= 1, prefix_len={prefix_len!r} >= 0 and "
-                         f"suffix_len={suffix_len!r} >= 1")
+    check_prompt_sizes(num_prompts, prefix_len, suffix_len)
     rng = np.random.default_rng(seed)
     prefix = rng.integers(0, vocab, prefix_len).tolist()
     return [prefix + rng.integers(0, vocab, suffix_len).tolist() for _ in range(num_prompts)]
@@ -55,7 +60,7 @@ def run_prefix(args: argparse.Namespace) -> dict[str, Any]:
     """Run B5; returns the result dict (also written to ``--output-json``)."""
     from ascent.benchmarks.throughput import build_llm, prompt_vocab_size
 
-    shared_prefix_prompts(args.num_prompts, args.prefix_len, args.suffix_len, 2, args.seed)  # bad sizes fail first
+    check_prompt_sizes(args.num_prompts, args.prefix_len, args.suffix_len)  # before any engine is built
     threads = pin_threads(args.num_threads)
     max_len = args.prefix_len + args.suffix_len + 1
     engines: dict[str, dict[str, Any]] = {}

@@ -169,5 +169,5 @@ def register_sched_bench_parser(commands: Any) -> argparse.ArgumentParser:
     parser.add_argument("--block-size", type=int, default=16, help="KV block size")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--output-json", default=None, help="write the result JSON to this path")
-    parser.set_defaults(func=lambda args: run_sched(args))
+    parser.set_defaults(func=run_sched)
     return parser
