@@ -12,21 +12,26 @@
 //           VNNI layout (built once per unit);
 //   softmax: S^T transposed to rows in registers (16 x 16 blocks), fp32 softmax numerators per row over the row's own
 //           keys [start_c, len_c);
-//   values: O [cols x d] = P . V, 32 keys per step: P as two bf16 tiles (hi = bf16(p), lo = bf16(p - hi), so p is
-//           carried to ~16 bits), V pairs of rows interleaved into VNNI B tiles; fp32 accumulation in tiles, divided by
-//           the row's sum at the end.
-// Each column's result depends only on its own query, keys and values (masked keys contribute exact zeros), so
-// without a sliding window a row gets bit-identical output in any unit: verification and plain decode agree. Products
-// are exact and sums fp32 as in the other kernels; only the order of the sums and p's 16-bit rounding differ (tests
-// compare with SDPA and with the AVX512 kernel). Measured (SmolLM2 shapes, 150 keys, 1 layer, 2 threads): 16 rows
-// 68 -> 65 us, 32 rows 146 -> 137 us, 16 requests x 4 verification rows 268 -> 103 us.
+//   values: O [cols x d] = P . V on fp32 FMAs (fma_values), not on tiles: a unit has few columns (3 for SmolLM2's
+//           9 / 3 heads), so a tile product would use 3 of its 16 rows after an interleave of every value row into
+//           the VNNI pair layout. Each value row is read once per group of up to kFmaCols columns, split into its even
+//           and odd dims by a shift and a mask (bf16 -> fp32 is exact), and each column adds p * v in fp32, keys in
+//           ascending order; the sums are divided by the column's softmax total at the end. SmolLM2 shapes, 30
+//           layers' caches from DRAM, 2 threads, interleaved against the tile P . V it replaced: 32 rows of 8-136
+//           keys 0.74x the time, 16 rows of 300-400 keys 0.77x, 64 rows of 150-380 keys 0.90x, 1 row 0.79x; units of
+//           15 columns (5 verification rows) the same time.
+// Each column's result depends only on its own query, keys and values (masked keys contribute exact zeros), and its
+// value sum is the same sequence of fp32 operations in any column group, so without a sliding window a row gets
+// bit-identical output in any unit: verification and plain decode agree. Products are exact and sums fp32 as in the
+// other kernels; only the order of the sums differs (tests compare with SDPA and with the AVX512 kernel).
 #pragma once
 
 #define ASCENT_AMX_ATTENTION __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-bf16")))
 
 constexpr int64_t kAmxCols = 16;      // query rows per unit (columns of S^T)
 constexpr int64_t kAmxScoreKeys = 16;  // keys per score tile
-constexpr int64_t kAmxValueKeys = 32;  // keys per P.V step
+constexpr int64_t kAmxPairKeys = 32;   // keys per pair of score tiles (a unit's keys are padded to a multiple)
+constexpr int kFmaCols = 6;            // columns per value pass: 4 accumulators per column per 64 dims fit 32 zmm
 int g_amx_attention = 1;               // tests: 0 = the AVX512 kernels only
 
 // One unit's operands: column c's query row q[c] (d elements), output row out[c], keys [start[c], len[c]).
@@ -65,8 +70,6 @@ struct AmxAttnScratch {
   AlignedVector<uint16_t> kg;  // gathered K rows of two score tiles [2][16][d]
   AlignedVector<float> st;     // S^T [keys][16]
   AlignedVector<float> e;      // softmax numerators [cols][keys]
-  AlignedVector<uint16_t> p;   // P tiles per 32-key block: [blocks][hi, lo][16 cols][32 keys]
-  AlignedVector<uint16_t> vt;  // V B tiles [32-key blocks][d / 16][16 pairs][16 dims][2]
   AlignedVector<float> o;      // O [16][d]
 };
 
@@ -143,7 +146,7 @@ ASCENT_AMX_ATTENTION void amx_scores(const AmxAttnUnit& u, int64_t base, int64_t
     // the next pair of tiles' key rows: their misses in flight while this pair computes
     for (int64_t j = base + (b + 2) * kAmxScoreKeys; j < std::min<int64_t>(last, base + (b + 4) * kAmxScoreKeys); ++j)
       prefetch_row(u.kbase + u.slots[j] * u.row_w, D);
-    // this pair's value rows toward L2, for amx_fill_vt after the softmax
+    // this pair's value rows toward L2, for fma_values after the softmax
     for (int64_t j = base + b * kAmxScoreKeys; j < std::min<int64_t>(last, base + (b + 2) * kAmxScoreKeys); ++j)
       prefetch_row_to_l2(u.vbase + u.slots[j] * u.row_w, D);
     int64_t s0 = 0, s1 = 0;
@@ -234,21 +237,6 @@ ASCENT_AVX512 void amx_softmax_rows(const AmxAttnUnit& u, int64_t base, int64_t 
   }
 }
 
-// P tiles of every 32-key block from the rows of e: p[blk][0][c][k] = bf16(e), p[blk][1][c][k] = bf16(e - that).
-ASCENT_AVX512 void amx_fill_p(const AmxAttnUnit& u, const float* e, int64_t padded, AmxAttnScratch& s) {
-  const int64_t blocks = padded / kAmxValueKeys;
-  s.p.assign(static_cast<size_t>(blocks * 2 * 16 * kAmxValueKeys), 0);
-  for (int64_t c = 0; c < u.cols; ++c)
-    for (int64_t j = 0; j < padded; j += 16) {
-      const __m512 v = _mm512_loadu_ps(e + c * padded + j);
-      const __m256i hi = bf16_bits(v);
-      const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-      uint16_t* dst = s.p.data() + (j / kAmxValueKeys) * 2 * 16 * kAmxValueKeys + c * kAmxValueKeys + j % 32;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), hi);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * kAmxValueKeys), bf16_bits(_mm512_sub_ps(v, hf)));
-    }
-}
-
 // Row r of a 32-key block's V B tiles (D / 16 tiles of [16 key pairs][16 dims][2], tile db at tiles + db * 512) from
 // the value rows of keys 2r (v0) and 2r + 1 (v1); nullptr reads as a zero row.
 template <int D>
@@ -264,64 +252,60 @@ ASCENT_AVX512 inline void interleave_value_pair(const bf16* v0, const bf16* v1, 
   }
 }
 
-// V B tiles of every 32-key block from `base`: vt[blk][db][r][c][t] = v_{base + 32 blk + 2r + t}[16 db + c] (keys at
-// or past `end` are zero rows). Written in one pass before the tile loads read them. The value rows were sent toward
-// L2 during amx_scores and each block prefetches the next into L1: SmolLM2 shapes, 64 rows of 150-380 keys, 30 layers
-// from DRAM, 2 threads, interleaved in one process: 0.93x the time of neither (L2 only 0.95x, L1 only 0.97x).
-template <int D>
-ASCENT_AVX512 void amx_fill_vt(const AmxAttnUnit& u, int64_t base, int64_t end, int64_t blocks, AmxAttnScratch& s) {
-  s.vt.resize(static_cast<size_t>(blocks * D / 16 * 512));
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    uint16_t* tiles = s.vt.data() + blk * D / 16 * 512;
-    const int64_t next_end = std::min<int64_t>(end, base + (blk + 2) * kAmxValueKeys);
-    for (int64_t k = base + (blk + 1) * kAmxValueKeys; k < next_end; ++k)
-      prefetch_row(u.vbase + u.slots[k] * u.row_w, D);  // the next block's rows, from L2 into L1
-    for (int64_t r = 0; r < kAmxValueKeys / 2; ++r) {
-      const int64_t k0 = base + blk * kAmxValueKeys + 2 * r, k1 = k0 + 1;
-      const bf16* v0 = k0 < end ? u.vbase + u.slots[k0] * u.row_w : nullptr;
-      const bf16* v1 = k1 < end ? u.vbase + u.slots[k1] * u.row_w : nullptr;
-      interleave_value_pair<D>(v0, v1, tiles, r);
+// o[c][:] = sum over keys k in [base, end) of e[c][k - base] * v_k for the COLS columns from e / o (rows padded /
+// D apart): every value row read once, split into even / odd dims (a 32-bit lane's low bf16 shifted up, its high
+// bf16 masked: both exact fp32), one fp32 FMA per column and 16 dims, keys in ascending order, dims interleaved back
+// at the end. Rows 16 keys ahead are prefetched into L1 (amx_scores sent them toward L2).
+template <int D, int COLS>
+ASCENT_AVX512 void fma_values(const AmxAttnUnit& u, int64_t base, int64_t end, const float* e, int64_t padded,
+                              float* o) {
+  constexpr int kChunk = D < 64 ? D : 64;  // dims per pass over the keys
+  constexpr int kLoads = kChunk / 32;      // 32-value loads per key and pass
+  constexpr int64_t kAhead = 16;
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i even_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i odd_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int dc = 0; dc < D; dc += kChunk) {
+    __m512 acc[COLS][2 * kLoads];
+    for (int c = 0; c < COLS; ++c)
+      for (int i = 0; i < 2 * kLoads; ++i) acc[c][i] = _mm512_setzero_ps();
+    for (int64_t k = base; k < end; ++k) {
+      if (k + kAhead < end) prefetch_row(u.vbase + u.slots[k + kAhead] * u.row_w + dc, kChunk);
+      const bf16* row = u.vbase + u.slots[k] * u.row_w + dc;
+      __m512 v[2 * kLoads];
+      for (int i = 0; i < kLoads; ++i) {
+        const __m512i x = _mm512_loadu_si512(row + 32 * i);
+        v[2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        v[2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high_half));
+      }
+      for (int c = 0; c < COLS; ++c) {
+        const __m512 p = _mm512_set1_ps(e[c * padded + (k - base)]);
+        for (int i = 0; i < 2 * kLoads; ++i) acc[c][i] = _mm512_fmadd_ps(p, v[i], acc[c][i]);
+      }
     }
+    for (int c = 0; c < COLS; ++c)
+      for (int i = 0; i < kLoads; ++i) {
+        float* dst = o + c * D + dc + 32 * i;
+        _mm512_storeu_ps(dst, _mm512_permutex2var_ps(acc[c][2 * i], even_idx, acc[c][2 * i + 1]));
+        _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(acc[c][2 * i], odd_idx, acc[c][2 * i + 1]));
+      }
   }
 }
 
-// Accumulators T0 / T1 += P . (V B tiles at b0 / b1 in tmm2 / tmm3): the hi halves of P (tmm0) first, then the lo
-// halves (tmm1), so the two products into one accumulator are not back to back.
-#define ASCENT_AMX_PV_PAIR(T0, T1, b0, b1)  \
-  do {                                      \
-    _tile_loadd(2, (b0), 64);               \
-    _tile_dpbf16ps(T0, 0, 2);               \
-    _tile_loadd(3, (b1), 64);               \
-    _tile_dpbf16ps(T1, 0, 3);               \
-    _tile_dpbf16ps(T0, 1, 2);               \
-    _tile_dpbf16ps(T1, 1, 3);               \
-  } while (0)
-
-// O [16][d] = P . V over the value blocks (P and V tiles filled); up to 4 output dim blocks (tmm4..7) per pass.
+// fma_values over all of the unit's columns, kFmaCols at a time (o [cols][D]).
 template <int D>
-ASCENT_AMX_ATTENTION void amx_values(int64_t blocks, AmxAttnScratch& s) {
-  constexpr int64_t kBlocks = D / 16;
-  s.o.resize(static_cast<size_t>(16 * D));
-  for (int64_t db0 = 0; db0 < kBlocks; db0 += 4) {
-    const int64_t nb = std::min<int64_t>(4, kBlocks - db0);
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const uint16_t* pb = s.p.data() + blk * 2 * 16 * kAmxValueKeys;
-      const uint16_t* vb = s.vt.data() + (blk * kBlocks + db0) * 512;
-      _tile_loadd(0, pb, 64);
-      _tile_loadd(1, pb + 16 * kAmxValueKeys, 64);
-      ASCENT_AMX_PV_PAIR(4, 5, vb, vb + 512);
-      if (nb > 2) ASCENT_AMX_PV_PAIR(6, 7, vb + 1024, vb + 1536);
-    }
-    float* o = s.o.data() + db0 * 16;
-    _tile_stored(4, o, D * 4);
-    _tile_stored(5, o + 16, D * 4);
-    if (nb > 2) {
-      _tile_stored(6, o + 32, D * 4);
-      _tile_stored(7, o + 48, D * 4);
+ASCENT_AVX512 void unit_values(const AmxAttnUnit& u, int64_t base, int64_t end, const float* e, int64_t padded,
+                               float* o) {
+  for (int64_t c0 = 0; c0 < u.cols; c0 += kFmaCols) {
+    const float* ec = e + c0 * padded;
+    float* oc = o + c0 * D;
+    switch (std::min<int64_t>(kFmaCols, u.cols - c0)) {
+      case 1: fma_values<D, 1>(u, base, end, ec, padded, oc); break;
+      case 2: fma_values<D, 2>(u, base, end, ec, padded, oc); break;
+      case 3: fma_values<D, 3>(u, base, end, ec, padded, oc); break;
+      case 4: fma_values<D, 4>(u, base, end, ec, padded, oc); break;
+      case 5: fma_values<D, 5>(u, base, end, ec, padded, oc); break;
+      default: fma_values<D, kFmaCols>(u, base, end, ec, padded, oc); break;
     }
   }
 }
@@ -335,16 +319,14 @@ ASCENT_AMX_ATTENTION void amx_attend_unit(const AmxAttnUnit& u, float scale, Amx
     end = std::max<int64_t>(end, u.len[c]);
   }
   const int64_t base = lo & ~(kAmxScoreKeys - 1);  // page-aligned score tiles
-  const int64_t value_blocks = (end - base + kAmxValueKeys - 1) / kAmxValueKeys;
-  const int64_t padded = value_blocks * kAmxValueKeys;
+  const int64_t padded = (end - base + kAmxPairKeys - 1) / kAmxPairKeys * kAmxPairKeys;
   amx_fill_qt<D>(u, s);
   amx_scores<D>(u, base, end, padded / kAmxScoreKeys, s);
   float total[kAmxCols];
   s.e.resize(static_cast<size_t>(u.cols * padded));
   amx_softmax_rows(u, base, padded, scale, s.st.data(), s.e.data(), total);
-  amx_fill_p(u, s.e.data(), padded, s);
-  amx_fill_vt<D>(u, base, end, value_blocks, s);
-  amx_values<D>(value_blocks, s);
+  s.o.resize(static_cast<size_t>(u.cols * D));
+  unit_values<D>(u, base, end, s.e.data(), padded, s.o.data());
   for (int64_t c = 0; c < u.cols; ++c) {
     const __m512 inv = _mm512_set1_ps(1.f / total[c]);
     for (int64_t i = 0; i < D; i += 16)
