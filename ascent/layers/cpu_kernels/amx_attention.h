@@ -212,11 +212,12 @@ ASCENT_AVX512 void transpose16(const float* src, int64_t cols, float* dst, int64
 }
 
 // Column c of st (keys [0, padded) from `base`) as row c of e, then softmax numerators in place: e = exp(scale * s -
-// max) over the column's own keys, 0 elsewhere. Returns the row sums.
-ASCENT_AVX512 void amx_softmax_rows(const AmxAttnUnit& u, int64_t base, int64_t padded, float scale, const float* st,
+// max) over the column's own keys, 0 elsewhere, as 2^(s * scale * log2(e) - max) with exp2_512's FMA polynomial
+// (0.91-0.97x the attention's time of exp512's unfused one, which exists to match a scalar path). Returns the row sums.
+ASCENT_AVX512_FMA void amx_softmax_rows(const AmxAttnUnit& u, int64_t base, int64_t padded, float scale, const float* st,
                                     float* e, float* total) {
   for (int64_t j = 0; j < padded; j += 16) transpose16(st + j * 16, u.cols, e + j, padded);
-  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f);
   for (int64_t c = 0; c < u.cols; ++c) {
     float* row = e + c * padded;
     const int64_t lo = u.start[c] - base, hi = u.len[c] - base;  // the column's keys [lo, hi) of the row
@@ -228,8 +229,8 @@ ASCENT_AVX512 void amx_softmax_rows(const AmxAttnUnit& u, int64_t base, int64_t 
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < padded; j += 16) {
       const __mmask16 keys = static_cast<__mmask16>(lanes_below(hi - j) & ~lanes_below(lo - j));
-      const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(keys, row + j), vscale), mx);
-      const __m512 v = _mm512_maskz_mov_ps(keys, exp512(_mm512_maskz_mov_ps(keys, x)));
+      const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(keys, row + j), vscale, mx);
+      const __m512 v = _mm512_maskz_mov_ps(keys, exp2_512(x));
       _mm512_storeu_ps(row + j, v);
       sum = _mm512_add_ps(sum, v);
     }
