@@ -214,8 +214,8 @@ ASCENT_AVX512 void transpose16(const float* src, int64_t cols, float* dst, int64
 // Column c of st (keys [0, padded) from `base`) as row c of e, then softmax numerators in place: e = exp(scale * s -
 // max) over the column's own keys, 0 elsewhere, as 2^(s * scale * log2(e) - max) with exp2_512's FMA polynomial
 // (0.91-0.97x the attention's time of exp512's unfused one, which exists to match a scalar path). Returns the row sums.
-ASCENT_AVX512_FMA void amx_softmax_rows(const AmxAttnUnit& u, int64_t base, int64_t padded, float scale, const float* st,
-                                    float* e, float* total) {
+ASCENT_AVX512_FMA void amx_softmax_rows(const AmxAttnUnit& u, int64_t base, int64_t padded, float scale,
+                                        const float* st, float* e, float* total) {
   for (int64_t j = 0; j < padded; j += 16) transpose16(st + j * 16, u.cols, e + j, padded);
   const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f);
   for (int64_t c = 0; c < u.cols; ++c) {

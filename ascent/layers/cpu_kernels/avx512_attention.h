@@ -1,6 +1,6 @@
 // Grouped AVX512-BF16 decode attention of fused_cpu.cpp: all query heads of one KV head in one pass over the keys.
 // Included by fused_cpu.cpp inside its anonymous namespace, after avx512_bf16.h (bf16, tail_mask, bf16_load,
-// bf16_store, exp512).
+// bf16_store, exp_rows, softmax_rows).
 //
 // attend_kv_head_avx512 (avx512_bf16.h) scores one key per query head with 4 fp32 FMAs plus a horizontal reduction
 // and re-reads the key and value rows once per query head. Here, for head dims that are a multiple of 32:

@@ -140,20 +140,24 @@ ASCENT_AVX512 void rotary_neox_head_avx512(bf16* v, const bf16* cosr, const bf16
   }
 }
 
-// In place: each row sc[g * n .. + n) becomes exp(row - max) (max-subtracted exp512); mx[g] / total[g] take the row's
-// max and the fp32 sum of its exps (softmax_rows before the normalisation; a chunk of a split context keeps them).
-ASCENT_AVX512 void exp_rows(float* sc, int64_t rows, int64_t n, float* mx, float* total) {
+// In place: each row sc[g * n .. + n) becomes exp(row - max) = 2^(row * log2(e) - max * log2(e)) (exp2_512's FMA
+// polynomial: 0.97-0.98x the grouped decode attention's time of exp512's unfused one); mx[g] / total[g] take the
+// row's max and the fp32 sum of its exps (softmax_rows before the normalisation; a chunk of a split context keeps
+// them).
+ASCENT_AVX512_FMA void exp_rows(float* sc, int64_t rows, int64_t n, float* mx, float* total) {
   for (int64_t g = 0; g < rows; ++g) {
     float* sg = sc + g * n;
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j += 16)
       vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail_mask(n - j), sg + j));
     mx[g] = _mm512_reduce_max_ps(vmax);
-    const __m512 vmx = _mm512_set1_ps(mx[g]);
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 vmx = _mm512_set1_ps(mx[g] * 1.44269504088896341f);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
       const __mmask16 m = tail_mask(n - j);
-      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), vmx)));
+      const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, sg + j), log2e, vmx);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp2_512(x));
       _mm512_mask_storeu_ps(sg + j, m, e);
       sum = _mm512_add_ps(sum, e);
     }
@@ -161,8 +165,8 @@ ASCENT_AVX512 void exp_rows(float* sc, int64_t rows, int64_t n, float* mx, float
   }
 }
 
-// In place: each row sc[g * n .. + n) becomes softmax(row) (max-subtracted exp512, fp32 sum).
-ASCENT_AVX512 void softmax_rows(float* sc, int64_t rows, int64_t n) {
+// In place: each row sc[g * n .. + n) becomes softmax(row) (exp_rows, fp32 sum).
+ASCENT_AVX512_FMA void softmax_rows(float* sc, int64_t rows, int64_t n) {
   for (int64_t g = 0; g < rows; ++g) {
     float* sg = sc + g * n;
     float mx, total;
