@@ -213,7 +213,7 @@ ASCENT_AVX512 void transpose16(const float* src, int64_t cols, float* dst, int64
 
 // Column c of st (keys [0, padded) from `base`) as row c of e, then softmax numerators in place: e = exp(scale * s -
 // max) over the column's own keys, 0 elsewhere, as 2^(s * scale * log2(e) - max) with exp2_512's FMA polynomial
-// (0.91-0.97x the attention's time of exp512's unfused one, which exists to match a scalar path). Returns the row sums.
+// (0.91-0.97x the attention's time of the unfused exp_approx polynomial it replaced). Returns the row sums.
 ASCENT_AVX512_FMA void amx_softmax_rows(const AmxAttnUnit& u, int64_t base, int64_t padded, float scale,
                                         const float* st, float* e, float* total) {
   for (int64_t j = 0; j < padded; j += 16) transpose16(st + j * 16, u.cols, e + j, padded);
@@ -365,8 +365,9 @@ std::vector<std::pair<int64_t, int64_t>> shared_key_runs(const int64_t* slots, c
 }
 
 // Units [begin, stop) of amx_decode_attention on the calling thread (configures and releases the tiles).
-ASCENT_AMX_ATTENTION void amx_attention_units(const DecodeAttentionCall& a, const std::vector<std::pair<int64_t, int64_t>>& runs,
-                                              int64_t begin, int64_t stop) {
+ASCENT_AMX_ATTENTION void amx_attention_units(const DecodeAttentionCall& a,
+                                              const std::vector<std::pair<int64_t, int64_t>>& runs, int64_t begin,
+                                              int64_t stop) {
   const int64_t group = a.num_heads / a.kv_heads;
   const AmxAttendFn attend = amx_attend_for(a.d);
   const ascent_tiles::TileConfig cfg = ascent_tiles::tile_config({16, 16, 16, 16, 16, 16, 16, 16});

@@ -45,23 +45,6 @@ ASCENT_AVX512 inline __m512 round_to_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
 }
 
-// exp_approx on 16 lanes: the same operations in the same order (no contraction), hence the same results.
-ASCENT_AVX512 inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 magic = _mm512_set1_ps(12582912.f);
-  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
-  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187045e-06f)));
-  __m512 p = _mm512_add_ps(_mm512_set1_ps(8.33333377e-3f), _mm512_mul_ps(r, _mm512_set1_ps(1.38888892e-3f)));
-  p = _mm512_add_ps(_mm512_set1_ps(4.16666679e-2f), _mm512_mul_ps(r, p));
-  p = _mm512_add_ps(_mm512_set1_ps(1.66666672e-1f), _mm512_mul_ps(r, p));
-  p = _mm512_add_ps(_mm512_set1_ps(0.5f), _mm512_mul_ps(r, p));
-  p = _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_mul_ps(r, p));
-  p = _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_mul_ps(r, p));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
 // y = rms_norm(s) * w over one bf16 row (sum of squares in 16 fp32 lanes, then (s * r) * w as the scalar path).
 ASCENT_AVX512 void rms_norm_row_avx512(const bf16* s, const bf16* w, bf16* y, int64_t h, float eps) {
   __m512 acc = _mm512_setzero_ps();
@@ -141,9 +124,9 @@ ASCENT_AVX512 void rotary_neox_head_avx512(bf16* v, const bf16* cosr, const bf16
 }
 
 // In place: each row sc[g * n .. + n) becomes exp(row - max) = 2^(row * log2(e) - max * log2(e)) (exp2_512's FMA
-// polynomial: 0.97-0.98x the grouped decode attention's time of exp512's unfused one); mx[g] / total[g] take the
-// row's max and the fp32 sum of its exps (softmax_rows before the normalisation; a chunk of a split context keeps
-// them).
+// polynomial: 0.97-0.98x the grouped decode attention's time of the unfused exp_approx polynomial it replaced);
+// mx[g] / total[g] take the row's max and the fp32 sum of its exps (softmax_rows before the normalisation; a chunk of
+// a split context keeps them).
 ASCENT_AVX512_FMA void exp_rows(float* sc, int64_t rows, int64_t n, float* mx, float* total) {
   for (int64_t g = 0; g < rows; ++g) {
     float* sg = sc + g * n;

@@ -10,7 +10,8 @@
 //   scores:  4 query vectors x 32 keys per pass, each dim pair of a query broadcast against 16 keys' pairs (fp32 sums
 //            of exact bf16 products), times `scale`; the causal / sliding-window mask sets excluded keys to -inf;
 //   softmax: online per query vector (running max m, sum l, output rescaled by exp(m_old - m_new)); the exps as
-//            2^(s log2(e) - m log2(e)) with exp2_512's FMA polynomial (0.95-0.96x the time of exp512's unfused one);
+//            2^(s log2(e) - m log2(e)) with exp2_512's FMA polynomial (0.95-0.96x the time of the unfused
+//            exp_approx polynomial it replaced);
 //   values:  P rounded to bf16 (as torch's flash kernel does for bf16) and accumulated with vdpbf16ps into fp32
 //            output rows; out = O / l rounded once to bf16.
 // Query i sits at position q_offset + i and sees keys j <= q_offset + i (and j > q_offset + i - window when
