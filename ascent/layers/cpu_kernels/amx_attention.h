@@ -31,6 +31,7 @@
 constexpr int64_t kAmxCols = 16;      // query rows per unit (columns of S^T)
 constexpr int64_t kAmxScoreKeys = 16;  // keys per score tile
 constexpr int64_t kAmxPairKeys = 32;   // keys per pair of score tiles (a unit's keys are padded to a multiple)
+constexpr int64_t kNextUnitKeys = 32;  // key rows of the next unit prefetched (AmxAttnUnit::next_keys)
 constexpr int kFmaCols = 6;            // columns per value pass: 4 accumulators per column per 64 dims fit 32 zmm
 int g_amx_attention = 1;               // tests: 0 = the AVX512 kernels only
 
@@ -45,6 +46,12 @@ struct AmxAttnUnit {
   const bf16* kbase;     // the KV head's first element in the K / V halves of the cache
   const bf16* vbase;
   int64_t row_w;         // elements per cache slot
+  // The key rows this thread's next unit starts with (next_keys of them at next_slots from next_kbase; none for the
+  // last unit): prefetched once this unit's own keys are loaded, so their misses overlap its softmax and P . V.
+  // SmolLM2 shapes, 30 layers from DRAM, 2 threads, interleaved: 0.91-0.97x the time at 16-64 rows, 0.97x at 1 row.
+  const int64_t* next_slots = nullptr;
+  const bf16* next_kbase = nullptr;
+  int64_t next_keys = 0;
 };
 
 // Cache-line aligned storage: 64-byte vector stores and tile rows then never split across lines.
@@ -324,6 +331,7 @@ ASCENT_AMX_ATTENTION void amx_attend_unit(const AmxAttnUnit& u, float scale, Amx
   amx_fill_qt<D>(u, s);
   amx_scores<D>(u, base, end, padded / kAmxScoreKeys, s);
   float total[kAmxCols];
+  for (int64_t j = 0; j < u.next_keys; ++j) prefetch_row(u.next_kbase + u.next_slots[j] * u.row_w, D);
   s.e.resize(static_cast<size_t>(u.cols * padded));
   amx_softmax_rows(u, base, padded, scale, s.st.data(), s.e.data(), total);
   s.o.resize(static_cast<size_t>(u.cols * D));
@@ -396,6 +404,13 @@ ASCENT_AMX_ATTENTION void amx_attention_units(const DecodeAttentionCall& a,
     u.kbase = a.kbase + h * a.d;
     u.vbase = a.vbase + h * a.d;
     u.row_w = a.kv_heads * a.d;
+    if (w + 1 < stop) {
+      const int64_t next_row = runs[(w + 1) / a.kv_heads].second - 1, next_len = a.lens[next_row];
+      const int64_t first = a.window > 0 ? std::max<int64_t>(0, next_len - a.window) & ~(kAmxScoreKeys - 1) : 0;
+      u.next_slots = a.sp + next_row * a.L + first;
+      u.next_kbase = a.kbase + (w + 1) % a.kv_heads * a.d;
+      u.next_keys = std::min<int64_t>(kNextUnitKeys, next_len - first);
+    }
     attend(u, a.scale, s);
   }
   _tile_release();
