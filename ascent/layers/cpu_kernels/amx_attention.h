@@ -12,11 +12,11 @@
 //           VNNI layout (built once per unit);
 //   softmax: S^T transposed to rows in registers (16 x 16 blocks), fp32 softmax numerators per row over the row's own
 //           keys [start_c, len_c);
-//   values: O [cols x d] = P . V on fp32 FMAs (fma_values), not on tiles: a unit has few columns (3 for SmolLM2's
-//           9 / 3 heads), so a tile product would use 3 of its 16 rows after an interleave of every value row into
-//           the VNNI pair layout. Each value row is read once per group of up to kFmaCols columns, split into its even
-//           and odd dims by a shift and a mask (bf16 -> fp32 is exact), and each column adds p * v in fp32, keys in
-//           ascending order; the sums are divided by the column's softmax total at the end. SmolLM2 shapes, 30
+//   values: O [cols x d] = P . V on fp32 FMAs (weighted_value_rows), not on tiles: a unit has few columns (3 for
+//           SmolLM2's 9 / 3 heads), so a tile product would use 3 of its 16 rows after an interleave of every value
+//           row into the VNNI pair layout. Each value row is read once per group of up to kFmaCols columns, split
+//           into its even and odd dims by a shift and a mask (bf16 -> fp32 is exact), and each column adds p * v in
+//           fp32, keys in ascending order; the sums are divided by the column's softmax total at the end. SmolLM2: 30
 //           layers' caches from DRAM, 2 threads, interleaved against the tile P . V it replaced: 32 rows of 8-136
 //           keys 0.74x the time, 16 rows of 300-400 keys 0.77x, 64 rows of 150-380 keys 0.90x, 1 row 0.79x; units of
 //           15 columns (5 verification rows) the same time.
@@ -153,7 +153,7 @@ ASCENT_AMX_ATTENTION void amx_scores(const AmxAttnUnit& u, int64_t base, int64_t
     // the next pair of tiles' key rows: their misses in flight while this pair computes
     for (int64_t j = base + (b + 2) * kAmxScoreKeys; j < std::min<int64_t>(last, base + (b + 4) * kAmxScoreKeys); ++j)
       prefetch_row(u.kbase + u.slots[j] * u.row_w, D);
-    // this pair's value rows toward L2, for fma_values after the softmax
+    // this pair's value rows toward L2, for unit_values after the softmax
     for (int64_t j = base + b * kAmxScoreKeys; j < std::min<int64_t>(last, base + (b + 2) * kAmxScoreKeys); ++j)
       prefetch_row_to_l2(u.vbase + u.slots[j] * u.row_w, D);
     int64_t s0 = 0, s1 = 0;
@@ -260,60 +260,23 @@ ASCENT_AVX512 inline void interleave_value_pair(const bf16* v0, const bf16* v1, 
   }
 }
 
-// o[c][:] = sum over keys k in [base, end) of e[c][k - base] * v_k for the COLS columns from e / o (rows padded /
-// D apart): every value row read once, split into even / odd dims (a 32-bit lane's low bf16 shifted up, its high
-// bf16 masked: both exact fp32), one fp32 FMA per column and 16 dims, keys in ascending order, dims interleaved back
-// at the end. Rows 16 keys ahead are prefetched into L1 (amx_scores sent them toward L2).
-template <int D, int COLS>
-ASCENT_AVX512 void fma_values(const AmxAttnUnit& u, int64_t base, int64_t end, const float* e, int64_t padded,
-                              float* o) {
-  constexpr int kChunk = D < 64 ? D : 64;  // dims per pass over the keys
-  constexpr int kLoads = kChunk / 32;      // 32-value loads per key and pass
-  constexpr int64_t kAhead = 16;
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const __m512i even_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i odd_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-  for (int dc = 0; dc < D; dc += kChunk) {
-    __m512 acc[COLS][2 * kLoads];
-    for (int c = 0; c < COLS; ++c)
-      for (int i = 0; i < 2 * kLoads; ++i) acc[c][i] = _mm512_setzero_ps();
-    for (int64_t k = base; k < end; ++k) {
-      if (k + kAhead < end) prefetch_row(u.vbase + u.slots[k + kAhead] * u.row_w + dc, kChunk);
-      const bf16* row = u.vbase + u.slots[k] * u.row_w + dc;
-      __m512 v[2 * kLoads];
-      for (int i = 0; i < kLoads; ++i) {
-        const __m512i x = _mm512_loadu_si512(row + 32 * i);
-        v[2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-        v[2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high_half));
-      }
-      for (int c = 0; c < COLS; ++c) {
-        const __m512 p = _mm512_set1_ps(e[c * padded + (k - base)]);
-        for (int i = 0; i < 2 * kLoads; ++i) acc[c][i] = _mm512_fmadd_ps(p, v[i], acc[c][i]);
-      }
-    }
-    for (int c = 0; c < COLS; ++c)
-      for (int i = 0; i < kLoads; ++i) {
-        float* dst = o + c * D + dc + 32 * i;
-        _mm512_storeu_ps(dst, _mm512_permutex2var_ps(acc[c][2 * i], even_idx, acc[c][2 * i + 1]));
-        _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(acc[c][2 * i], odd_idx, acc[c][2 * i + 1]));
-      }
-  }
-}
-
-// fma_values over all of the unit's columns, kFmaCols at a time (o [cols][D]).
+// o [cols][D] = P . V for all of the unit's columns, kFmaCols at a time: weighted_value_rows (avx512_attention.h)
+// over the keys [base, end) with the softmax numerators e (rows padded apart) as weights.
 template <int D>
 ASCENT_AVX512 void unit_values(const AmxAttnUnit& u, int64_t base, int64_t end, const float* e, int64_t padded,
                                float* o) {
+  const int64_t* slots = u.slots + base;
+  const int64_t n = end - base;
   for (int64_t c0 = 0; c0 < u.cols; c0 += kFmaCols) {
     const float* ec = e + c0 * padded;
     float* oc = o + c0 * D;
     switch (std::min<int64_t>(kFmaCols, u.cols - c0)) {
-      case 1: fma_values<D, 1>(u, base, end, ec, padded, oc); break;
-      case 2: fma_values<D, 2>(u, base, end, ec, padded, oc); break;
-      case 3: fma_values<D, 3>(u, base, end, ec, padded, oc); break;
-      case 4: fma_values<D, 4>(u, base, end, ec, padded, oc); break;
-      case 5: fma_values<D, 5>(u, base, end, ec, padded, oc); break;
-      default: fma_values<D, kFmaCols>(u, base, end, ec, padded, oc); break;
+      case 1: weighted_value_rows<D, 1>(ec, padded, u.vbase, slots, n, u.row_w, oc, D); break;
+      case 2: weighted_value_rows<D, 2>(ec, padded, u.vbase, slots, n, u.row_w, oc, D); break;
+      case 3: weighted_value_rows<D, 3>(ec, padded, u.vbase, slots, n, u.row_w, oc, D); break;
+      case 4: weighted_value_rows<D, 4>(ec, padded, u.vbase, slots, n, u.row_w, oc, D); break;
+      case 5: weighted_value_rows<D, 5>(ec, padded, u.vbase, slots, n, u.row_w, oc, D); break;
+      default: weighted_value_rows<D, kFmaCols>(ec, padded, u.vbase, slots, n, u.row_w, oc, D); break;
     }
   }
 }
