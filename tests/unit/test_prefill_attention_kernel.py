@@ -119,6 +119,21 @@ def test_kernel_equals_itself_on_contiguous_copies(kernel) -> None:
     assert torch.equal(strided, dense)
 
 
+def test_kernel_writes_into_given_output_rows(kernel) -> None:
+    """out=: the rows of a larger output (as the SDPA backend passes them) get the result in place, bit-identical to
+    a new tensor's, and the rows around them keep their values; an out of the wrong shape, dtype or layout raises."""
+    q, k, v = fused_qkv(40, 10, 9, 3, 64, seed=7)
+    want = kernel.prefill_attention(q, k, v, 9, 0.125, 10, 0)
+    whole = torch.full((50, 9 * 64), 3.0, dtype=torch.bfloat16)
+    rows = whole[5:45]
+    got = kernel.prefill_attention(q, k, v, 9, 0.125, 10, 0, out=rows)
+    assert got.data_ptr() == rows.data_ptr() and torch.equal(rows, want)
+    assert torch.equal(whole[:5], torch.full_like(whole[:5], 3.0)) and torch.equal(whole[45:], whole[:5])
+    for bad in (whole[5:44], rows.float(), torch.empty(9 * 64, 40, dtype=torch.bfloat16).t()):
+        with pytest.raises(RuntimeError, match="out must be a contiguous bf16"):
+            kernel.prefill_attention(q, k, v, 9, 0.125, 10, 0, out=bad)
+
+
 def test_kernel_rejects_bad_inputs(kernel) -> None:
     q, k, v = fused_qkv(8, 4, 4, 2, 64, seed=5)
     with pytest.raises(RuntimeError, match="must equal q_offset"):

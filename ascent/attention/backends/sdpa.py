@@ -350,11 +350,13 @@ class SDPAImpl(AttentionImpl):
             mq = attn_metadata.multi
             out.index_copy_(0, mq.out_rows, self._multi(q, kv_cache, mq))
         for p, mask in zip(attn_metadata.prefills, prefill_masks):
-            rows = slice(p.start, p.end)
+            rows = out[p.start : p.end]
             if p.context_slots is None:
-                out[rows] = self._attend_fresh(q[rows], k[rows], v[rows], mask)
+                o = self._attend_fresh(q[p.start : p.end], k[p.start : p.end], v[p.start : p.end], mask, rows)
             else:
-                out[rows] = self._attend_cached(q[rows], k_cache, v_cache, p, mask)
+                o = self._attend_cached(q[p.start : p.end], k_cache, v_cache, p, mask, rows)
+            if o is not rows:  # the fused kernel wrote into the rows; SDPA's result is copied there
+                rows.copy_(o)
         if num_tokens > attn_metadata.num_actual_tokens:
             out[attn_metadata.num_actual_tokens :].zero_()
         return out
@@ -435,12 +437,15 @@ class SDPAImpl(AttentionImpl):
                 and k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16 and q.dim() == 2 and q.stride(-1) == 1
                 and k.stride(-1) == 1 and v.stride(-1) == 1 and self._fused.prefill_attention_available(self.head_size))
 
-    def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal attention of rows that form one whole sequence (no cached prefix)."""
+    def _attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of rows that form one whole sequence (no cached prefix). The fused kernel writes into
+        ``out`` (contiguous [rows, heads * head_size] of q's dtype) when given and returns it; SDPA returns a new
+        tensor."""
         if self._prefill_kernel(q, k, v):
             k, v = k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)
-            return self._fused.prefill_attention(q, k, v, self.num_heads, self.scale, 0, self.sliding_window or 0)
+            return self._fused.prefill_attention(q, k, v, self.num_heads, self.scale, 0, self.sliding_window or 0,
+                                                 out)
         if mask is None and self.sliding_window is not None:
             n = q.shape[0]
             mask = _prefill_mask(SDPAPrefill(0, n, 0, n, None, None), self.sliding_window, q.device)
@@ -451,14 +456,15 @@ class SDPAImpl(AttentionImpl):
         return o[0].transpose(0, 1).reshape(q.shape[0], self.num_heads * self.head_size)
 
     def _attend_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: SDPAPrefill,
-                       mask: torch.Tensor | None) -> torch.Tensor:
+                       mask: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """This chunk's queries over its cached context and itself (``out`` as in ``_attend_fresh``)."""
         assert p.context_slots is not None
         if self._prefill_kernel(q, k_cache, v_cache):  # the context's K/V rows, then this chunk's queries over them
             width = self.num_kv_heads * self.head_size
             kc = k_cache.index_select(0, p.context_slots).view(-1, width)
             vc = v_cache.index_select(0, p.context_slots).view(-1, width)
             return self._fused.prefill_attention(q, kc, vc, self.num_heads, self.scale, p.num_computed,
-                                                 self.sliding_window or 0)
+                                                 self.sliding_window or 0, out)
         kc = k_cache.index_select(0, p.context_slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
         vc = v_cache.index_select(0, p.context_slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
         o = F.scaled_dot_product_attention(

@@ -396,9 +396,11 @@ at::Tensor context_slots(const at::Tensor& block_rows, int64_t block_size, int64
 
 // Causal prefill attention (avx512_prefill_attention.h): q [tq, heads * d], k / v [tk, kv_heads * d] (row-strided
 // views are fine), all bf16; query i sits at position q_offset + i with tk == q_offset + tq; window > 0 keeps the last
-// `window` keys of each query. Returns [tq, heads * d] bf16. Only where prefill_attention_available(d).
+// `window` keys of each query. Returns [tq, heads * d] bf16: out_rows when given (a contiguous bf16 tensor of that
+// shape, e.g. the caller's output rows, written in place: no copy afterwards), else a new one. Only where
+// prefill_attention_available(d).
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t num_heads,
-                             double scale, int64_t q_offset, int64_t window) {
+                             double scale, int64_t q_offset, int64_t window, const c10::optional<at::Tensor>& out_rows) {
   check_rows(q, "q");
   check_rows(k, "k");
   check_rows(v, "v");
@@ -415,7 +417,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const bool amx = amx_prefill_applies(d);
   TORCH_CHECK(amx || prefill_attention_applies(d), "prefill_attention: needs AMX (head dim 32, 64 or 128) or ",
               "AVX512-BF16 and a head dim that is a multiple of 32 up to ", kMaxHeadDim, ", got ", d);
-  auto out = at::empty({tq, q.size(1)}, q.options());
+  at::Tensor out = out_rows.has_value() ? *out_rows : at::empty({tq, q.size(1)}, q.options());
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 && out.size(0) == tq &&
+                  out.size(1) == q.size(1), "prefill_attention: out must be a contiguous bf16 [", tq, ", ", q.size(1),
+              "] tensor");
   if (tq == 0) return out;
   const PrefillAttnArgs args{q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), q.stride(0), k.stride(0),
                              v.stride(0), tq, tk, num_heads, k.size(1) / d, d, q_offset, window,
@@ -460,8 +465,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged_decode_attention(q [n, heads*d], kv_cache [2,S,kvh,d], slots [n,L], seq_lens [n], heads, scale, window)");
   m.def("context_slots", &context_slots,
         "context_slots(block_rows int32 [R,B], block_size, length, lens int64 [R] or empty) -> int64 [R, length]");
-  m.def("prefill_attention", &prefill_attention,
-        "prefill_attention(q [tq, H*d], k [tk, KV*d], v, num_heads, scale, q_offset, window) -> [tq, H*d] (bf16)");
+  m.def("prefill_attention", &prefill_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("num_heads"),
+        py::arg("scale"), py::arg("q_offset"), py::arg("window"), py::arg("out") = py::none(),
+        "prefill_attention(q [tq, H*d], k [tk, KV*d], v, num_heads, scale, q_offset, window, out=None) -> [tq, H*d] "
+        "(bf16; written into out, a contiguous [tq, H*d] bf16 tensor such as a row slice, when given)");
   m.def("prefill_attention_available", &prefill_attention_available,
         "prefill_attention_available(head_dim) -> whether prefill_attention runs here");
   m.def("set_split_attention", [](int64_t on) { return std::exchange(g_split_attention, on != 0); },
