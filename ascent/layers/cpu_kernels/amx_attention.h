@@ -245,21 +245,6 @@ ASCENT_AVX512_FMA void amx_softmax_rows(const AmxAttnUnit& u, int64_t base, int6
   }
 }
 
-// Row r of a 32-key block's V B tiles (D / 16 tiles of [16 key pairs][16 dims][2], tile db at tiles + db * 512) from
-// the value rows of keys 2r (v0) and 2r + 1 (v1); nullptr reads as a zero row.
-template <int D>
-ASCENT_AVX512 inline void interleave_value_pair(const bf16* v0, const bf16* v1, uint16_t* tiles, int64_t r) {
-  const __m512i even = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
-                                        5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(16));
-  for (int64_t db = 0; db < D / 16; db += 2) {  // one 32-dim chunk: output blocks db, db + 1
-    const __m512i a = v0 ? _mm512_loadu_si512(v0 + db * 16) : _mm512_setzero_si512();
-    const __m512i b = v1 ? _mm512_loadu_si512(v1 + db * 16) : _mm512_setzero_si512();
-    _mm512_storeu_si512(tiles + db * 512 + r * 32, _mm512_permutex2var_epi16(a, even, b));
-    _mm512_storeu_si512(tiles + (db + 1) * 512 + r * 32, _mm512_permutex2var_epi16(a, odd, b));
-  }
-}
-
 // o [cols][D] = P . V for all of the unit's columns, kFmaCols at a time: weighted_value_rows (avx512_attention.h)
 // over the keys [base, end) with the softmax numerators e (rows padded apart) as weights.
 template <int D>
