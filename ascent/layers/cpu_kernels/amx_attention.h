@@ -1,5 +1,6 @@
 // AMX decode attention of fused_cpu.cpp (bf16, head dims 32 / 64 / 128). Included by fused_cpu.cpp inside its
-// anonymous namespace, after avx512_bf16.h, amx_tiles.h and avx512_attention.h (DecodeAttentionCall).
+// anonymous namespace, after avx512_bf16.h, amx_tiles.h and avx512_attention.h (DecodeAttentionCall,
+// weighted_value_rows, prefetch_row).
 //
 // On this project's Xeon a VDPBF16PS costs as much as four fp32 FMAs (2 cycles each), and the AVX512 kernels
 // (avx512_attention.h) spend ~20 cycles per (query row, head, key); one TDPBF16PS (a 16 x 32 by 32 x 16 bf16 tile
