@@ -41,6 +41,21 @@ ASCENT_AVX512 inline __m256i bf16_bits(__m512 v) {
 
 ASCENT_AVX512 inline void bf16_store(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, bf16_bits(v)); }
 
+// fp32 bits rounded as bf16_bits, kept in the high half (low half zero): the fp32 value of the bf16 result.
+ASCENT_AVX512 inline __m512i bf16_round_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+                                     _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+}
+
+// Half h of 32 bf16 values x as fp32: h = 0 the even positions (a 32-bit lane's low bf16), 1 the odd ones.
+ASCENT_AVX512 inline __m512 bf16_half(__m512i x, int h) {
+  return _mm512_castsi512_ps(h == 0 ? _mm512_slli_epi32(x, 16)
+                                    : _mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 ASCENT_AVX512 inline __m512 round_to_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
 }
@@ -88,24 +103,35 @@ ASCENT_AVX512_FMA inline __m512 exp2_512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// exp(-a) = 2^(-a log2(e)) (a NaN a gives 2^-126; silu_and_mul_row_avx512 multiplies by a, which keeps the NaN).
+// exp(-a) = 2^(-a log2(e)) (a NaN a gives 2^-126; silu_bf16 multiplies by a, which keeps the NaN).
 ASCENT_AVX512_FMA inline __m512 exp_neg512(__m512 a) {
   return exp2_512(_mm512_mul_ps(a, _mm512_set1_ps(-1.44269504088896341f)));
 }
 
-// out[j] = round(round(silu(g[j])) * g[d + j]) for one row (F.silu(a) * b in bf16), silu(a) = a / (1 + exp(-a)). The
-// quotient is a times 1 / (1 + e) from VRCP14PS and one Newton step (relative error ~1e-7, as the exp): VDIVPS costs
-// 16 cycles per vector here, more than the rest of the row's work.
-ASCENT_AVX512_FMA void silu_and_mul_row_avx512(const bf16* g, bf16* out, int64_t d) {
+// silu(a) = a / (1 + exp(-a)) rounded to bf16, as fp32. The quotient is a times 1 / (1 + e) from VRCP14PS and one
+// Newton step (relative error ~1e-7, as the exp): VDIVPS costs 16 cycles per vector here, more than the rest.
+ASCENT_AVX512_FMA inline __m512 silu_bf16(__m512 a) {
   const __m512 one = _mm512_set1_ps(1.f);
-  for (int64_t j = 0; j < d; j += 16) {
+  const __m512 den = _mm512_add_ps(one, exp_neg512(a));
+  const __m512 r0 = _mm512_rcp14_ps(den);
+  const __m512 r = _mm512_fmadd_ps(r0, _mm512_fnmadd_ps(den, r0, one), r0);
+  return _mm512_castsi512_ps(bf16_round_bits(_mm512_mul_ps(a, r)));
+}
+
+// out[j] = round(round(silu(g[j])) * g[d + j]) for one row (F.silu(a) * b in bf16). 32 values at a time as their even
+// and odd halves (one op per 16 values to widen, bf16_round_bits and one merge to narrow, instead of three and eight):
+// 0.74-0.83x the time at 1-2048 rows, bit-identical; the last d % 32 values 16 at a time.
+ASCENT_AVX512_FMA void silu_and_mul_row_avx512(const bf16* g, bf16* out, int64_t d) {
+  int64_t j = 0;
+  for (; j + 32 <= d; j += 32) {
+    const __m512i gate = _mm512_loadu_si512(g + j), up = _mm512_loadu_si512(g + d + j);
+    const __m512i even = bf16_round_bits(_mm512_mul_ps(silu_bf16(bf16_half(gate, 0)), bf16_half(up, 0)));
+    const __m512i odd = bf16_round_bits(_mm512_mul_ps(silu_bf16(bf16_half(gate, 1)), bf16_half(up, 1)));
+    _mm512_storeu_si512(out + j, _mm512_or_si512(_mm512_srli_epi32(even, 16), odd));
+  }
+  for (; j < d; j += 16) {
     const __mmask16 m = tail_mask(d - j);
-    const __m512 a = bf16_load(g + j, m);
-    const __m512 den = _mm512_add_ps(one, exp_neg512(a));
-    const __m512 r0 = _mm512_rcp14_ps(den);
-    const __m512 r = _mm512_fmadd_ps(r0, _mm512_fnmadd_ps(den, r0, one), r0);
-    const __m512 silu = round_to_bf16(_mm512_mul_ps(a, r));
-    bf16_store(out + j, _mm512_mul_ps(silu, bf16_load(g + d + j, m)), m);
+    bf16_store(out + j, _mm512_mul_ps(silu_bf16(bf16_load(g + j, m)), bf16_load(g + d + j, m)), m);
   }
 }
 
