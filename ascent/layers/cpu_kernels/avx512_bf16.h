@@ -61,9 +61,8 @@ ASCENT_AVX512 inline void bf16_store32(bf16* p, __m512 even, __m512 odd) {
   _mm512_storeu_si512(p, _mm512_or_si512(_mm512_srli_epi32(bf16_round_bits(even), 16), bf16_round_bits(odd)));
 }
 
-ASCENT_AVX512 inline __m512 round_to_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
-}
+// v rounded to bf16, as fp32 (the bits of widening bf16_bits(v), in fewer ops).
+ASCENT_AVX512 inline __m512 round_to_bf16(__m512 v) { return _mm512_castsi512_ps(bf16_round_bits(v)); }
 
 // y = rms_norm(s) * w over one bf16 row (sum of squares in 16 fp32 lanes, then (s * r) * w as the scalar path).
 ASCENT_AVX512 void rms_norm_row_avx512(const bf16* s, const bf16* w, bf16* y, int64_t h, float eps) {
@@ -132,7 +131,7 @@ ASCENT_AVX512_FMA inline __m512 silu_bf16(__m512 a) {
   const __m512 den = _mm512_add_ps(one, exp_neg512(a));
   const __m512 r0 = _mm512_rcp14_ps(den);
   const __m512 r = _mm512_fmadd_ps(r0, _mm512_fnmadd_ps(den, r0, one), r0);
-  return _mm512_castsi512_ps(bf16_round_bits(_mm512_mul_ps(a, r)));
+  return round_to_bf16(_mm512_mul_ps(a, r));
 }
 
 // out[j] = round(round(silu(g[j])) * g[d + j]) for one row (F.silu(a) * b in bf16). 32 values at a time as their even
@@ -151,9 +150,26 @@ ASCENT_AVX512_FMA void silu_and_mul_row_avx512(const bf16* g, bf16* out, int64_t
   }
 }
 
-// NeoX rotation of one bf16 head in place: v[p], v[p + half] with every product and sum rounded as the scalar path.
+// NeoX rotation of one bf16 head in place: v[p], v[p + half] with every product and sum rounded as the scalar path;
+// 32 positions at a time as even / odd halves (bit-identical), the last half % 32 16 at a time.
 ASCENT_AVX512 void rotary_neox_head_avx512(bf16* v, const bf16* cosr, const bf16* sinr, int64_t half) {
-  for (int64_t p = 0; p < half; p += 16) {
+  int64_t p = 0;
+  for (; p + 32 <= half; p += 32) {
+    const __m512i a = _mm512_loadu_si512(v + p), b = _mm512_loadu_si512(v + half + p);
+    const __m512i cos_a = _mm512_loadu_si512(cosr + p), cos_b = _mm512_loadu_si512(cosr + half + p);
+    const __m512i sin_a = _mm512_loadu_si512(sinr + p), sin_b = _mm512_loadu_si512(sinr + half + p);
+    __m512 out_a[2], out_b[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512 va = bf16_half(a, h), vb = bf16_half(b, h);
+      out_a[h] = _mm512_add_ps(round_to_bf16(_mm512_mul_ps(va, bf16_half(cos_a, h))),
+                               round_to_bf16(_mm512_mul_ps(vb, bf16_half(sin_a, h))));
+      out_b[h] = _mm512_add_ps(round_to_bf16(_mm512_mul_ps(vb, bf16_half(cos_b, h))),
+                               round_to_bf16(_mm512_mul_ps(va, bf16_half(sin_b, h))));
+    }
+    bf16_store32(v + p, out_a[0], out_a[1]);
+    bf16_store32(v + half + p, out_b[0], out_b[1]);
+  }
+  for (; p < half; p += 16) {
     const __mmask16 m = tail_mask(half - p);
     const __m512 va = bf16_load(v + p, m), vb = bf16_load(v + half + p, m);
     const __m512 ca = round_to_bf16(_mm512_mul_ps(va, bf16_load(cosr + p, m)));
