@@ -1,6 +1,6 @@
 // Grouped AVX512-BF16 decode attention of fused_cpu.cpp: all query heads of one KV head in one pass over the keys.
 // Included by fused_cpu.cpp inside its anonymous namespace, after avx512_bf16.h (bf16, tail_mask, bf16_load,
-// bf16_store, exp_rows, softmax_rows).
+// bf16_store, bf16_half, exp_rows, softmax_rows).
 //
 // attend_kv_head_avx512 (avx512_bf16.h) scores one key per query head with 4 fp32 FMAs plus a horizontal reduction
 // and re-reads the key and value rows once per query head. Here, for head dims that are a multiple of 32:
@@ -109,7 +109,6 @@ ASCENT_AVX512 void weighted_value_rows(const float* p, int64_t p_stride, const b
   constexpr int kChunk = D < 64 ? D : 64;  // dims per pass over the keys
   constexpr int kLoads = kChunk / 32;      // 32-value loads per key and pass
   constexpr int64_t kAhead = 16;
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   const __m512i even_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i odd_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
   for (int dc = 0; dc < D; dc += kChunk) {
@@ -123,8 +122,8 @@ ASCENT_AVX512 void weighted_value_rows(const float* p, int64_t p_stride, const b
       __m512 v[2 * kLoads];
       for (int i = 0; i < kLoads; ++i) {
         const __m512i x = _mm512_loadu_si512(row + 32 * i);
-        v[2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-        v[2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high_half));
+        v[2 * i] = bf16_half(x, 0);
+        v[2 * i + 1] = bf16_half(x, 1);
       }
       for (int g = 0; g < G; ++g) {
         const __m512 pj = _mm512_set1_ps(p[g * p_stride + j]);
