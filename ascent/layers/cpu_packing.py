@@ -16,10 +16,13 @@ weight).
 ``ASCENT_CPU_SMALL_M_GEMV=0`` disables the kernel.
 
 On CPUs with AMX-BF16 a third layout replaces the plain rows: ``amx_linear_cpu.cpp`` streams B tiles packed once
-(:class:`AmxWeight`) and takes every call of at most ``AMX_MAX_M`` rows (measured here, 30 SmolLM2 layers, 1 thread:
-M = 1 15.9 ms vs 16.2 small-M / 21.7 oneDNN; M = 32 20.5 vs 27.3 oneDNN; M = 512 107 vs 119; M = 2048 724 vs 485,
-hence oneDNN above 512 rows). A single row reads the same tiles' bytes with AVX512-BF16 dot products instead
-(``gemv_range``: measured on a Xeon with AMX, 2 threads, 120 decode linears + lm_head, 0.94-0.96x the tiles' time).
+(:class:`AmxWeight`) and takes every call of at most ``AMX_MAX_M`` rows (measured on a Xeon with AMX, SmolLM2's 120
+linears of 30 layers, time against oneDNN's packed GEMM: 2 threads M = 32 0.57x, 64 0.66x, 128 0.78-0.87x, 192
+0.93-0.99x, 256 1.08x, 384 1.05x, 512 1.15x; 1 thread M = 128 0.94-0.96x, 192 1.02-1.04x, 256 1.11x, 512 1.22x. A
+prefill of 512-token steps took 0.89x the time with the limit at 256 instead of 512; at 200- and 256-token steps
+oneDNN was 1.01-1.03x slower than the tiles, hence oneDNN above 256 rows). A single row reads the same tiles' bytes
+with AVX512-BF16 dot products instead (``gemv_range``: measured on a Xeon with AMX, 2 threads, 120 decode linears +
+lm_head, 0.94-0.96x the tiles' time).
 ``ASCENT_CPU_AMX=0`` disables it.
 """
 
@@ -53,7 +56,7 @@ SMALL_M_MAX_AVX2 = 128
 
 _PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 # Rows of x up to which an AMX-packed weight is used (oneDNN's blocked GEMM wins above).
-AMX_MAX_M = 512
+AMX_MAX_M = 256
 
 
 @dataclass(frozen=True)
