@@ -62,9 +62,14 @@ INT8_NV_MAX_M = 48
 # bf16 x, interleaved medians, ms (VNNI kernel | AMX-INT8 | quantize + _int_mm):
 #   M=1: 5.6 | 4.9 | 15.8;  M=4: 6.8 | 5.2 | 17.6;  M=16: 15.8 | 6.6 | 20.6;  M=32: 26.8 | 8.5 | 26.4;
 #   M=64: 50.5 | 12.4 | 33.5;  M=128: 100.6 | 20.4 | 50.9.
-# AMX-INT8 takes every M up to INT8_AMX_MAX_M when the CPU has it (its x quantization runs on one thread: prefill-
-# sized M goes to _int_mm).
-INT8_AMX_MAX_M = 256
+# W8A8 (dynamic and static) takes AMX-INT8 at every M when the CPU has it: against quantize + _int_mm (static: the
+# same with its offset and deq_scale), same 30 layers, 2 threads, interleaved medians, ms: M = 256 30.3 vs 63.3
+# (static 29.0 vs 61.7); 512 61.7 vs 247; 1024 133 vs 420; 2048 260 vs 705; 4096 568 vs 1887 (static 515 vs 1933),
+# though its x quantization runs on one thread.
+# W8A16 per channel on AMX-INT8 (16-bit x as fixed point, two tile products per weight tile) against the dequantized
+# bf16 weight on oneDNN: M = 32 6.9 vs 10.6; 64 11.0 vs 15.1; 96 15.6 vs 16.9; 128 19.9 vs 18.8; 192 29.3 vs 21.6;
+# 256 41.5 vs 28.5, so it takes M up to W8A16_AMX_MAX_M.
+W8A16_AMX_MAX_M = 128
 WEIGHT_ONLY_GEMV_MAX_M = {8: 4, 4: 4}
 # The row-interleaved weight-only layout (wo_nv.py) against the dense bf16 weight (oneDNN-packed), same 30 layers,
 # Zen 4, 2 threads, bf16 x, interleaved minima, ms (W4A16 group 64 | W8A16 per channel | dense bf16):
@@ -349,6 +354,11 @@ class Int8Amx:
         """:func:`int8_linear_static` (bit-identical) on AMX-INT8 tiles."""
         return self.ops.w8a8_static_linear_amx(x, self.packed, float(input_scale), float(input_offset), deq_scale,
                                                quant_bias, bias)
+
+
+def amx_takes(x: torch.Tensor) -> bool:
+    """Whether the AMX-INT8 W8A8 kernels take ``x [..., K]`` (any number of rows): CPU and fp32/bf16/fp16."""
+    return x.is_cpu and x.dtype in GEMV_DTYPES
 
 
 def prepare_int8_amx(weight: torch.Tensor) -> Int8Amx | None:

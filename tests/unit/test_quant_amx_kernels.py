@@ -1,7 +1,8 @@
 """AMX-INT8 quantized linears (``ascent/layers/cpu_kernels/quant_amx_int8.h``): W8A8 dynamic / static bit-identical
 to the VNNI kernels and to the torch reference paths, W8A16 per channel (16-bit x as fixed point) within one
-rounding of the reference, the packed layout, the decode-stack calls and the dual-layout budget. Machines without
-AMX-INT8 run W8A8 / W8A16 on the VNNI kernels (``test_quant_gemv_kernels.py``) and skip these."""
+rounding of the reference, the packed layout, the decode-stack calls and the dual-layout budget; the W8A8 schemes'
+kernel choice (AMX-INT8 at every row count where the CPU has it, bit-identical to the torch paths either way).
+Machines without AMX-INT8 run W8A8 / W8A16 on the VNNI kernels (``test_quant_gemv_kernels.py``) and skip the rest."""
 
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ def test_w8a16_amx_kernel(ops, dtype, m, k, n):
 @needs_amx_int8
 def test_w8a16_scheme_takes_amx_above_the_small_m_range(ops):
     """Per-channel W8A16 without zero points: the small-M kernel up to its limit, the AMX kernel above, the dense
-    path past INT8_AMX_MAX_M; all within one rounding of the reference."""
+    path past W8A16_AMX_MAX_M; all within one rounding of the reference."""
     g = gen(21)
     q = torch.randint(-128, 128, (N_OUT, K_IN), generator=g, dtype=torch.int8)
     ck = {"weight": q, "weight_scale": torch.rand(N_OUT, 1, generator=g) * 0.01,
@@ -131,11 +132,11 @@ def test_w8a16_scheme_takes_amx_above_the_small_m_range(ops):
     layer = build(QuantSpec("W8A16"), ck, bias=True, params_dtype=torch.bfloat16)
     assert layer.wo_amx is not None
     assert build(QuantSpec("W8A16"), ck).wo_amx is None  # an fp32 model: no AMX copy (it takes 16-bit x only)
-    for m in (1, kernels.WEIGHT_ONLY_GEMV_MAX_M[8] + 1, 40, kernels.INT8_AMX_MAX_M + 1):
+    for m in (1, kernels.WEIGHT_ONLY_GEMV_MAX_M[8] + 1, 40, kernels.W8A16_AMX_MAX_M + 1):
         x = torch.randn(m, K_IN, generator=gen(m)).bfloat16()
         y = layer(x)
         assert_close(y, layer.quant_method.apply_reference(layer, x, layer.bias))
-        if 4 < m <= kernels.INT8_AMX_MAX_M:
+        if 4 < m <= kernels.W8A16_AMX_MAX_M:
             assert torch.equal(y, ops.w8a16_linear_amx(x, layer.wo_amx.packed, layer.wo_scale_vec, layer.bias))
 
 
@@ -156,3 +157,62 @@ def test_decode_stack_call_w8a16_amx(ops, params_dtype):
     for m in (2, 8, 40):
         x = torch.randn(m, K_IN, generator=gen(m)).bfloat16()
         assert torch.equal(run_stack_spec(ops, call, x), layer(x))
+
+
+# A prefill-sized row count (past the small-M kernels' ranges).
+PREFILL_M = 600
+
+
+class CountingAmx:
+    """A layer's ``kernels.Int8Amx`` that records the row count of every W8A8 call it serves."""
+
+    def __init__(self, amx: kernels.Int8Amx) -> None:
+        self.amx, self.rows = amx, []
+
+    @classmethod
+    def around(cls, amx: kernels.Int8Amx | None) -> CountingAmx | None:
+        return None if amx is None else cls(amx)
+
+    def linear(self, x: torch.Tensor, *args: object) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return self.amx.linear(x, *args)
+
+    def linear_static(self, x: torch.Tensor, *args: object) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return self.amx.linear_static(x, *args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w8a8_dynamic_scheme_kernel_path(ops, dtype):
+    g = gen(6)
+    ck = {"weight": torch.randint(-128, 128, (N_OUT, K_IN), generator=g, dtype=torch.int8),
+          "weight_scale": torch.rand(N_OUT, 1, generator=g) * 0.01}
+    layer = build(QuantSpec("W8A8_DYNAMIC"), ck, bias=True)
+    assert layer.w8a8_gemv is not None
+    assert (layer.w8a8_amx is not None) == ops.amx_int8_available()
+    amx = layer.w8a8_amx = CountingAmx.around(layer.w8a8_amx)
+    sizes = (1, 3, kernels.INT8_GEMV_MAX_M, 40, PREFILL_M)
+    for m in sizes:
+        x = torch.randn(m, K_IN, generator=gen(m)).to(dtype)
+        fast = kernels.int8_linear_dynamic(x, layer.w8a8_w_t, layer.w8a8_ws, layer.bias)
+        assert torch.equal(layer(x), fast)
+        assert_close(layer(x), layer.quant_method.apply_reference(layer, x, layer.bias))
+    if amx is not None:  # AMX-INT8 takes every size, prefill-sized ones too
+        assert sorted(set(amx.rows)) == sorted(sizes)
+
+
+@pytest.mark.parametrize("modelslim", [True, False])
+def test_w8a8_static_scheme_kernel_path(ops, modelslim):
+    layer = static_w8a8_layer(modelslim, 7)
+    assert layer.w8a8_gemv is not None
+    assert (layer.w8a8_amx is not None) == ops.amx_int8_available()
+    amx = layer.w8a8_amx = CountingAmx.around(layer.w8a8_amx)
+    sizes = (1, 5, 40, PREFILL_M)
+    for m in sizes:
+        x = torch.randn(m, K_IN, generator=gen(m)).bfloat16()
+        fast = kernels.int8_linear_static(x, layer.w8a8_w_t, layer.w8a8_sx, layer.w8a8_zx, layer.w8a8_deq,
+                                          layer.w8a8_beta, None if modelslim else layer.bias)
+        assert torch.equal(layer(x), fast)
+        assert_close(layer(x), layer.quant_method.apply_reference(layer, x, layer.bias))
+    if amx is not None:
+        assert sorted(set(amx.rows)) == sorted(sizes)

@@ -226,21 +226,6 @@ def test_weight_only_scheme_kernel_path(ops, name, spec, ck, dtype):
     assert (layer(x).float() - without.float()).abs().max() <= 4 * ULP[dtype] * without.float().abs().max() + 1e-3
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_w8a8_dynamic_scheme_kernel_path(ops, dtype):
-    g = gen(6)
-    ck = {"weight": torch.randint(-128, 128, (N_OUT, K_IN), generator=g, dtype=torch.int8),
-          "weight_scale": torch.rand(N_OUT, 1, generator=g) * 0.01}
-    layer = build(QuantSpec("W8A8_DYNAMIC"), ck, bias=True)
-    assert layer.w8a8_gemv is not None
-    assert (layer.w8a8_amx is not None) == ops.amx_int8_available()
-    for m in (1, 3, kernels.INT8_GEMV_MAX_M, 40, kernels.INT8_AMX_MAX_M + 1):
-        x = torch.randn(m, K_IN, generator=gen(m)).to(dtype)
-        fast = kernels.int8_linear_dynamic(x, layer.w8a8_w_t, layer.w8a8_ws, layer.bias)
-        assert torch.equal(layer(x), fast)
-        assert_close(layer(x), layer.quant_method.apply_reference(layer, x, layer.bias))
-
-
 def static_w8a8_layer(modelslim: bool, seed: int):
     """A static W8A8 linear from a ModelSlim (offset, deq_scale, quant_bias) or compressed-tensors checkpoint."""
     g = gen(seed)
@@ -253,19 +238,6 @@ def static_w8a8_layer(modelslim: bool, seed: int):
                                                                           dtype=torch.int32))
     spec = QuantSpec("W8A8") if modelslim else QuantSpec("W8A8", source_format="compressed-tensors")
     return build(spec, ck, bias=not modelslim)
-
-
-@pytest.mark.parametrize("modelslim", [True, False])
-def test_w8a8_static_scheme_kernel_path(ops, modelslim):
-    layer = static_w8a8_layer(modelslim, 7)
-    assert layer.w8a8_gemv is not None
-    assert (layer.w8a8_amx is not None) == ops.amx_int8_available()
-    for m in (1, 5, 40, kernels.INT8_AMX_MAX_M + 1):
-        x = torch.randn(m, K_IN, generator=gen(m)).bfloat16()
-        fast = kernels.int8_linear_static(x, layer.w8a8_w_t, layer.w8a8_sx, layer.w8a8_zx, layer.w8a8_deq,
-                                          layer.w8a8_beta, None if modelslim else layer.bias)
-        assert torch.equal(layer(x), fast)
-        assert_close(layer(x), layer.quant_method.apply_reference(layer, x, layer.bias))
 
 
 def test_large_m_keeps_previous_paths(ops):

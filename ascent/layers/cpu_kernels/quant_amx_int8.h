@@ -1,5 +1,5 @@
-// W8A8 (dynamic and static) on Intel AMX-INT8: every M up to INT8_AMX_MAX_M (quantization/kernels.py) when the CPU
-// has it; included by quant_gemv_cpu.cpp inside namespace ascent_quant's anonymous namespace, after
+// W8A8 (dynamic and static) on Intel AMX-INT8: every M when the CPU has it (quantization/kernels.py measures it
+// against _int_mm); included by quant_gemv_cpu.cpp inside namespace ascent_quant's anonymous namespace, after
 // quant_int8_blocks.h. The VNNI kernel does one VPDPBUSD per 64 weights per x row, so above ~16 rows it is
 // compute-bound (30 SmolLM2 layers at M = 32: 27 ms against a 4 ms weight stream); one TDPBSSD does 16 x 16 x 64
 // multiply-adds, and its 1 KiB weight tiles stream well even at M = 1 (5.6 -> 4.9 ms for those layers). x is

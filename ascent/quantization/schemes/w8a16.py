@@ -7,7 +7,7 @@ per-group [N, K/g] (model dtype or fp32). compressed-tensors: ``weight``, ``weig
 
 Fast paths (chosen by M): on CPU with the C++ kernels, ``quant_gemv_cpu.cpp``'s ``w8a16_linear`` (any group /
 zero point) for M <= ``WEIGHT_ONLY_GEMV_MAX_M[8]``; int8 per channel without zero point on AMX-INT8 CPUs: the AMX
-kernel (16-bit x as fixed point, a repacked copy of the weight) up to ``INT8_AMX_MAX_M``; other bf16 weight-only
+kernel (16-bit x as fixed point, a repacked copy of the weight) up to ``W8A16_AMX_MAX_M``; other bf16 weight-only
 layers on AMX-BF16 CPUs (W4A16, grouped / zero-point W8A16): tiles dequantized per call (``wo_amx.py``) for M in
 (``WO_AMX_MIN_M``, ``WO_AMX_MAX_M``]; else (``kernels.weight_only_path``) ``torch._weight_int8pack_mm``
 for decode-sized M when the weight is per-channel and symmetric; otherwise a dequantize-once dense weight
@@ -21,7 +21,7 @@ from torch import nn
 
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
 from ascent.quantization.kernels import (
-    INT8_AMX_MAX_M, DenseWeightCache, StackSpec, WeightOnlyGemv, gemv_fits, prepare_int8_amx, prepare_wo_gemv,
+    W8A16_AMX_MAX_M, DenseWeightCache, StackSpec, WeightOnlyGemv, gemv_fits, prepare_int8_amx, prepare_wo_gemv,
     weight_int8_linear, weight_only_path,
 )
 from ascent.quantization.registry import register_scheme
@@ -162,7 +162,7 @@ class WeightOnlyLinear(QuantLinearScheme):
         if gemv is not None and gemv_fits(x, gemv.max_m):
             return gemv.linear(x, bias)
         amx = getattr(layer, "wo_amx", None)
-        if amx is not None and x.dtype in (torch.bfloat16, torch.float16) and gemv_fits(x, INT8_AMX_MAX_M):
+        if amx is not None and x.dtype in (torch.bfloat16, torch.float16) and gemv_fits(x, W8A16_AMX_MAX_M):
             y = amx.linear_weight_only(x, layer.wo_scale_vec, bias)
             if y is not None:  # None: x has a NaN / inf, which the paths below propagate
                 return y

@@ -2,8 +2,9 @@
 
 Checkpoint: ``weight`` int8 [N, K], ``weight_scale`` [N, 1] (+ ModelSlim ``weight_offset`` [N, 1], which must be
 all zero — verified at load, spec §11.10). Forward: ``s_x[m] = max_k |x[m, k]| / 127``,
-``xq = clamp(rint(x / s_x), -128, 127)``, ``y = (xq @ Wq^T) * s_x[m] * s_w[n] + b``. CPU with AMX-INT8 (M <=
-``INT8_AMX_MAX_M``): the fused quantize + AMX tile kernel on a repacked copy of the weight; else decode (M <=
+``xq = clamp(rint(x / s_x), -128, 127)``, ``y = (xq @ Wq^T) * s_x[m] * s_w[n] + b``. CPU with AMX-INT8 (any M,
+2-4x faster than ``_int_mm`` also at prefill sizes, see ``kernels.py``): the fused quantize + AMX tile kernel on a
+repacked copy of the weight; else decode (M <=
 ``Int8Gemv.max_m``): the fused quantize + VNNI kernel (on a row-interleaved copy where the CPU has AVX512-VNNI,
 ``quantization/wo_nv.py``); all bit-identical to ``int8_linear_dynamic``.
 """
@@ -15,7 +16,7 @@ from torch import nn
 
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
 from ascent.quantization.kernels import (
-    INT8_AMX_MAX_M, StackSpec, gemv_fits, int8_dynamic_stack_spec, int8_gemv_dynamic,
+    StackSpec, amx_takes, gemv_fits, int8_dynamic_stack_spec, int8_gemv_dynamic,
     int8_linear_dynamic, prepare_int8_amx, prepare_int8_gemv, quantize_per_token_int8,
 )
 from ascent.quantization.registry import register_scheme
@@ -45,10 +46,10 @@ def attach_int8_dynamic(layer: nn.Module, weight: torch.Tensor, weight_scale: to
 
 
 def apply_int8_dynamic(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``y = (xq @ Wq^T) * s_x[m] * s_w[n] + b`` on the operands of :func:`attach_int8_dynamic`: the AMX-INT8 or
-    small-M kernel at decode-sized M, else ``int8_linear_dynamic`` (all bit-identical)."""
+    """``y = (xq @ Wq^T) * s_x[m] * s_w[n] + b`` on the operands of :func:`attach_int8_dynamic`: the AMX-INT8 kernel
+    at any M, else the small-M kernel at decode-sized M, else ``int8_linear_dynamic`` (all bit-identical)."""
     amx = getattr(layer, "w8a8_amx", None)
-    if amx is not None and gemv_fits(x, INT8_AMX_MAX_M):
+    if amx is not None and amx_takes(x):
         return amx.linear(x, layer.w8a8_ws, bias)
     gemv = getattr(layer, "w8a8_gemv", None)
     if gemv is not None and gemv_fits(x, gemv.max_m):

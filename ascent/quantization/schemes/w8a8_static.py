@@ -20,7 +20,7 @@ from torch import nn
 
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
 from ascent.quantization.kernels import (
-    INT8_AMX_MAX_M, StackSpec, gemv_fits, int8_gemv_static, int8_linear_static, int8_static_stack_spec,
+    StackSpec, amx_takes, gemv_fits, int8_gemv_static, int8_linear_static, int8_static_stack_spec,
     prepare_int8_amx, prepare_int8_gemv, quantize_static_int8,
 )
 from ascent.quantization.registry import register_scheme
@@ -45,7 +45,7 @@ class W8A8StaticLinear(QuantLinearScheme):
     """Static W8A8 linear; after loading the layer holds ``w8a8_w_t`` (int8 [K, N] column-major view),
     ``w8a8_sx`` / ``w8a8_zx`` (python floats), ``w8a8_deq`` fp32 [N], ``w8a8_beta`` int32 [N] or None and
     ``w8a8_gemv`` (small-M kernel operands, ``kernels.Int8Gemv``, or None) and ``w8a8_amx`` (AMX-INT8 operands,
-    ``kernels.Int8Amx``, or None: taken up to ``INT8_AMX_MAX_M`` rows, bit-identical)."""
+    ``kernels.Int8Amx``, or None: taken at every M, bit-identical)."""
 
     force_reference = False
 
@@ -103,7 +103,7 @@ class W8A8StaticLinear(QuantLinearScheme):
         if use_reference(self):
             return self.apply_reference(layer, x, bias)
         amx = getattr(layer, "w8a8_amx", None)
-        if amx is not None and gemv_fits(x, INT8_AMX_MAX_M):
+        if amx is not None and amx_takes(x):
             return amx.linear_static(x, layer.w8a8_sx, layer.w8a8_zx, layer.w8a8_deq, layer.w8a8_beta,
                                      self._float_bias(bias))
         gemv = getattr(layer, "w8a8_gemv", None)

@@ -113,7 +113,7 @@ def test_reference_env_switch(monkeypatch):
     load(layer, {"weight": t(q), "weight_scale": t(s), "weight_offset": torch.zeros(32, 1)})
     finish(layer)
     # above the integer kernels' ranges (small-M and AMX-INT8, whose exact sums match the reference): the dense path
-    x = t(gaussian((kernels.INT8_AMX_MAX_M + 1, 64), 10)).bfloat16()
+    x = t(gaussian((kernels.W8A16_AMX_MAX_M + 1, 64), 10)).bfloat16()
     reference = layer.quant_method.apply_reference(layer, x)
     assert not torch.equal(layer(x), reference)  # the dense bf16 path rounds the dequantized weight first
     monkeypatch.setenv(kernels.REFERENCE_ENV, "1")
