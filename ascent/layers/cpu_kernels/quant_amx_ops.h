@@ -75,19 +75,21 @@ bool fixed_point_rows(const at::Tensor& x, int64_t k, std::vector<int8_t>& hi, s
   hi.assign(static_cast<size_t>(m_rows * k), 0);
   lo.assign(static_cast<size_t>(m_rows * k), 0);
   steps.assign(static_cast<size_t>(m_rows), 1.f);
-  const std::vector<float> xf = float_rows(x, k);  // k % 64 == 0 here (AMX packing)
-  for (int64_t m = 0; m < m_rows; ++m) {
-    const float* p = xf.data() + m * k;
+  std::atomic<bool> finite{true};
+  for_float_rows(x, k, [&](int64_t m, const float* p) {  // k % 64 == 0 here (AMX packing)
     const float amax = amax_bits_avx512(p, k);
-    if (!std::isfinite(amax)) return false;
-    if (amax == 0.f) continue;
+    if (!std::isfinite(amax)) {
+      finite.store(false, std::memory_order_relaxed);
+      return;
+    }
+    if (amax == 0.f) return;
     int e = 0;
     std::frexp(amax / static_cast<float>(kX16Max), &e);
     e = std::max(e, -126);
     steps[m] = std::ldexp(1.f, e);
     fixed_point_row_avx512(p, k, std::ldexp(1.f, -e), hi.data() + m * k, lo.data() + m * k);
-  }
-  return true;
+  });
+  return finite.load();
 }
 
 // W8A16 (per-channel scale [N], no zero point) with 16-bit x on AMX-INT8 tiles: y = x^ . W * step * scale (+ bias),
