@@ -65,10 +65,12 @@ INT8_NV_MAX_M = 48
 # W8A8 (dynamic and static) takes AMX-INT8 at every M when the CPU has it: against quantize + _int_mm (static: the
 # same with its offset and deq_scale), same 30 layers, 2 threads, interleaved medians, ms: M = 256 30.3 vs 63.3
 # (static 29.0 vs 61.7); 512 61.7 vs 247; 1024 133 vs 420; 2048 260 vs 705; 4096 568 vs 1887 (static 515 vs 1933),
-# though its x quantization runs on one thread.
+# measured while its x quantization still ran on one thread (quantize_rows_* now split the rows over the threads:
+# 0.63x the time at M = 2048).
 # W8A16 per channel on AMX-INT8 (16-bit x as fixed point, two tile products per weight tile) against the dequantized
 # bf16 weight on oneDNN: M = 32 6.9 vs 10.6; 64 11.0 vs 15.1; 96 15.6 vs 16.9; 128 19.9 vs 18.8; 192 29.3 vs 21.6;
-# 256 41.5 vs 28.5, so it takes M up to W8A16_AMX_MAX_M.
+# 256 41.5 vs 28.5, so it takes M up to W8A16_AMX_MAX_M (its fixed-point rows on both threads since: 0.85x the time
+# at M = 128, so the crossover may now sit a little higher).
 W8A16_AMX_MAX_M = 128
 WEIGHT_ONLY_GEMV_MAX_M = {8: 4, 4: 4}
 # The row-interleaved weight-only layout (wo_nv.py) against the dense bf16 weight (oneDNN-packed), same 30 layers,
