@@ -9,21 +9,29 @@ from ascent import LLM, SamplingParams
 from tests.fixtures.tiny_models import build_model
 
 PROMPTS = ["Hello world! This is", "The quick brown fox", "a", "tiny tokenizer for tests of an inference engine"]
+PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
 
 
 def _decoder_model(llm: LLM):
     return llm.llm_engine.engine_core.executor.driver_worker.model_runner.model.model
 
 
-def _run(model_dir: str, monkeypatch, stack: str, prompts: list = PROMPTS, **engine_kwargs):
+def _engine(model_dir: str, monkeypatch, stack: str, **engine_kwargs) -> LLM:
     monkeypatch.setenv("ASCENT_CPU_DECODE_STACK", stack)
     kwargs = {"dtype": "bfloat16", "max_model_len": 256, "disable_log_stats": True, "seed": 0, **engine_kwargs}
-    llm = LLM(model=model_dir, **kwargs)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    one_by_one = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts[:2]]
-    result = [(list(o.outputs[0].token_ids), [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
-              for o in outs + one_by_one]
+    return LLM(model=model_dir, **kwargs)
+
+
+def _generate(llm: LLM, prompts: list) -> list:
+    """Greedy tokens and top-3 logprobs of each prompt."""
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def _run(model_dir: str, monkeypatch, stack: str, prompts: list = PROMPTS, **engine_kwargs):
+    llm = _engine(model_dir, monkeypatch, stack, **engine_kwargs)
+    result = _generate(llm, prompts) + [_generate(llm, [p])[0] for p in prompts[:2]]
     model = _decoder_model(llm)
     windows = [layer.self_attn.attn.impl.sliding_window for layer in model.layers]
     return result, model._decode_stack, windows
@@ -180,3 +188,24 @@ def test_w4a16_stack_on_amx_tiles_equals_module_path(tmp_path, monkeypatch):
     if amx_ops() is not None:
         assert kinds == {kernels.STACK_KIND_WO_AMX}
         assert stack.largest_step == len(prompts)  # every decode step of the batch ran in the stack
+
+
+def test_team_steps_equal_forked_steps_and_survive_a_failing_step(tmp_path, monkeypatch):
+    """Decode steps run as one team of torch's threads (``cpu_kernels/parallel_team.h``) give the values of the same
+    steps with a fork and join per loop (``set_team_rows(0)``); an error raised inside a team step reaches Python
+    as an exception (no hang) and the next steps run normally."""
+    llm = _engine(str(build_model("llama", tmp_path / "m", seed=11)), monkeypatch, "1")
+    team = _generate(llm, PROMPTS)
+    stack = _decoder_model(llm)._decode_stack
+    cpp = stack._stack
+    assert stack.steps_run > 0 and torch.get_num_threads() > 1
+    assert cpp.team_rows() == 64  # AMX tiles / small-M kernel for every dense projection: teams on
+    hidden = torch.zeros(1, stack.model.embed_tokens.weight.shape[1], dtype=torch.bfloat16)
+    bad_rows = torch.zeros(1, 2 * stack.model.rotary_emb.rotary_dim, dtype=torch.float32)  # not bf16: rotary fails
+    slots = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError):
+        cpp.forward(hidden, bad_rows, slots, slots.view(1, 1), slots + 1)
+    assert _generate(llm, PROMPTS) == team
+    cpp.set_team_rows(0)
+    assert cpp.team_rows() == 0
+    assert _generate(llm, PROMPTS) == team

@@ -369,6 +369,6 @@ ASCENT_AMX_ATTENTION void amx_attention_units(const DecodeAttentionCall& a,
 // (run, KV head), units split over torch's intra-op threads.
 void amx_decode_attention(const DecodeAttentionCall& a, int64_t n) {
   const auto runs = shared_key_runs(a.sp, a.lens, n, a.L, kAmxCols / (a.num_heads / a.kv_heads));
-  at::parallel_for(0, static_cast<int64_t>(runs.size()) * a.kv_heads, 1,
+  ascent_par::parallel_for(0, static_cast<int64_t>(runs.size()) * a.kv_heads, 1,
                    [&](int64_t begin, int64_t stop) { amx_attention_units(a, runs, begin, stop); });
 }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "parallel_team.h"
 
 namespace ascent_amx {
 namespace {
@@ -306,15 +307,16 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
                    io.bias.defined() ? io.bias.data_ptr<float>() : nullptr, y.data_ptr(), n, float_out};
   static const bool bf16_dot = __builtin_cpu_supports("avx512bf16");  // every AMX-BF16 CPU so far; checked anyway
   if (m == 1 && bf16_dot) {
-    at::parallel_for(0, n / 16, 8, [&](int64_t begin, int64_t end) { gemv_range(o, begin, end); });
+    ascent_par::parallel_for(0, n / 16, 8, [&](int64_t begin, int64_t end) { gemv_range(o, begin, end); });
     return y.view(io.out_sizes);
   }
   const int64_t pairs = (n / 16 + 1) / 2;
   const PackedTiles source{o};
   if (m > 32 && m <= kRows64) {
-    at::parallel_for(0, n / 16, 8, [&](int64_t begin, int64_t end) { block_range64(o, source, m, begin, end); });
+    ascent_par::parallel_for(0, n / 16, 8,
+                             [&](int64_t begin, int64_t end) { block_range64(o, source, m, begin, end); });
   } else {
-    at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { pair_range(o, source, m, begin, end); });
+    ascent_par::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { pair_range(o, source, m, begin, end); });
   }
   return y.view(io.out_sizes);
 }

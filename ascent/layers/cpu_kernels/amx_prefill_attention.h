@@ -270,14 +270,14 @@ void prefill_attention_amx_d(const PrefillAttnArgs& a) {
   pk.key_blocks32 = (a.tk + 31) / 32;
   pk.kt.resize(static_cast<size_t>(a.kv_heads * pk.key_blocks32 * 2 * (D / 32) * 256));
   pk.vt.resize(static_cast<size_t>(a.kv_heads * pk.key_blocks32 * (D / 16) * 512));
-  at::parallel_for(0, a.kv_heads * pk.key_blocks32, 8, [&](int64_t begin, int64_t end) {
+  ascent_par::parallel_for(0, a.kv_heads * pk.key_blocks32, 8, [&](int64_t begin, int64_t end) {
     alignas(64) float block[256];
     for (int64_t u = begin; u < end; ++u) pack_kv_block<D>(a, u / pk.key_blocks32, u % pk.key_blocks32, pk, block);
   });
   const int64_t row_blocks = (a.tq + kTileRows - 1) / kTileRows, tasks = a.kv_heads * row_blocks;
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(std::max(at::get_num_threads(), 1), tasks);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { run_prefill_tasks<D>(a, pk, next, row_blocks); });
+  ascent_par::parallel_for(0, workers, 1, [&](int64_t, int64_t) { run_prefill_tasks<D>(a, pk, next, row_blocks); });
 }
 
 // prefill_attention on the AMX tiles (only where amx_prefill_applies(a.d)).

@@ -217,12 +217,12 @@ torch::Tensor amx_wo_linear(const torch::Tensor& x_in, const torch::Tensor& tile
                    groups, o.kb / groups, panel.data(), steps};
   };
   if (m > 32 && one_pass) {
-    at::parallel_for(0, n / 16, 8, [&](int64_t begin, int64_t end) {
+    ascent_par::parallel_for(0, n / 16, 8, [&](int64_t begin, int64_t end) {
       std::vector<char> panel;
       block_range64(o, source_with(panel), m, begin, end);
     });
   } else {
-    at::parallel_for(0, (n / 16 + 1) / 2, 4, [&](int64_t begin, int64_t end) {
+    ascent_par::parallel_for(0, (n / 16 + 1) / 2, 4, [&](int64_t begin, int64_t end) {
       std::vector<char> panel;
       pair_range(o, source_with(panel), m, begin, end);
     });

@@ -212,7 +212,7 @@ void prefill_attention_avx512(const PrefillAttnArgs& a) {
   const int64_t blocks = (a.tk + kKeyBlock - 1) / kKeyBlock, block_elems = kKeyBlock * d;
   std::vector<uint16_t> kpack(static_cast<size_t>(a.kv_heads * blocks * block_elems));
   std::vector<uint16_t> vpack(kpack.size());
-  at::parallel_for(0, a.kv_heads * blocks, 4, [&](int64_t begin, int64_t end) {
+  ascent_par::parallel_for(0, a.kv_heads * blocks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t h = u / blocks, b = u % blocks;
       pack_key_block(a, h, b * kKeyBlock, kpack.data() + u * block_elems, vpack.data() + u * block_elems);
@@ -221,7 +221,7 @@ void prefill_attention_avx512(const PrefillAttnArgs& a) {
   const int64_t row_blocks = (a.tq + kQueryRows - 1) / kQueryRows, tasks = a.kv_heads * row_blocks;
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(std::max(at::get_num_threads(), 1), tasks);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  ascent_par::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
       const int64_t rb = row_blocks - 1 - t / a.kv_heads, h = t % a.kv_heads;
       const int64_t t0 = rb * kQueryRows, rows = std::min(kQueryRows, a.tq - t0), vectors = rows * group;

@@ -242,6 +242,8 @@ class DecodeStack {
     layer.kv_planes = kv_cache.view({2, -1, kv});
     layer.kv_heads4 = kv_cache.view({2, -1, kv_heads_, d_});
     layer.window = window;
+    for (const LinearCall* call : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+      dense_rows_limit_ = std::min(dense_rows_limit_, own_kernel_rows(*call));
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value() && (!q_norm.has_value() || q_norm->numel() == d_),
                 "DecodeStack: q_norm/k_norm must both be [head_size] or both absent");
     if (q_norm.has_value()) {
@@ -258,9 +260,28 @@ class DecodeStack {
   // decode token (one per request, rows in metadata order). With final_norm ([H], eps final_eps) hidden is the final
   // norm of hidden + residual and residual that sum (RMSNorm.forward(hidden, residual)); else both as the last layer
   // left them.
+  // Steps of up to team_rows() rows run as one team of torch's threads (parallel_team.h): the same kernels, loops
+  // and splits, without a fork and join per loop.
   std::vector<at::Tensor> forward(const at::Tensor& embeddings, const at::Tensor& cos_sin, const at::Tensor& write_slots,
                                   const at::Tensor& decode_slots, const at::Tensor& seq_lens,
                                   const c10::optional<at::Tensor>& final_norm, double final_eps) const {
+    const auto layers = [&] {
+      return forward_layers(embeddings, cos_sin, write_slots, decode_slots, seq_lens, final_norm, final_eps);
+    };
+    if (embeddings.size(0) <= team_rows()) return ascent_par::run_as_team(layers);
+    return layers();
+  }
+
+  // The largest step run as a team: kTeamMaxRows, or less where a dense projection would leave this directory's
+  // kernels for oneDNN / torch (whose own threads a team would serialize); set_team_rows(0) turns teams off.
+  int64_t team_rows() const { return std::min(team_rows_, dense_rows_limit_); }
+  void set_team_rows(int64_t rows) { team_rows_ = rows; }
+
+ private:
+  std::vector<at::Tensor> forward_layers(const at::Tensor& embeddings, const at::Tensor& cos_sin,
+                                         const at::Tensor& write_slots, const at::Tensor& decode_slots,
+                                         const at::Tensor& seq_lens, const c10::optional<at::Tensor>& final_norm,
+                                         double final_eps) const {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers");
     const int64_t q = heads_ * d_, kv = kv_heads_ * d_;
     at::Tensor hidden = embeddings, residual, normed;
@@ -300,7 +321,14 @@ class DecodeStack {
     return {hidden, residual};
   }
 
- private:
+  // The rows up to which a dense projection stays on this directory's kernels (AMX tiles / small-M kernel).
+  static int64_t own_kernel_rows(const LinearCall& call) {
+    return call.kind == LinearCall::kDense ? std::max(call.ints[0], call.ints[1]) : kTeamMaxRows;
+  }
+
+  static constexpr int64_t kTeamMaxRows = 64;
+  int64_t team_rows_ = kTeamMaxRows;
+  int64_t dense_rows_limit_ = kTeamMaxRows;
   int64_t heads_, kv_heads_, d_;
   double scale_, eps_;
   int64_t rotary_dim_;
@@ -315,6 +343,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("neox"))
       .def("add_layer", &DecodeStack::add_layer)
       .def("num_layers", &DecodeStack::num_layers)
+      .def("team_rows", &DecodeStack::team_rows)
+      .def("set_team_rows", &DecodeStack::set_team_rows)
       .def("forward", &DecodeStack::forward, py::arg("embeddings"), py::arg("cos_sin"), py::arg("write_slots"),
            py::arg("decode_slots"), py::arg("seq_lens"), py::arg("final_norm") = py::none(),
            py::arg("final_eps") = 0.0);

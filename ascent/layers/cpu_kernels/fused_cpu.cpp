@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "parallel_team.h"
 
 namespace {
 
@@ -83,7 +84,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, row_grain(2 * h), [&](int64_t begin, int64_t end) {
+    ascent_par::parallel_for(0, rows, row_grain(2 * h), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         if constexpr (std::is_same_v<scalar_t, bf16>) {
           if (has_avx512()) {
@@ -120,7 +121,7 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& resi
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     scalar_t* sp = sum.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, row_grain(2 * h), [&](int64_t begin, int64_t end) {
+    ascent_par::parallel_for(0, rows, row_grain(2 * h), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         scalar_t* srow = sp + i * h;
         if constexpr (std::is_same_v<scalar_t, bf16>) {
@@ -160,7 +161,7 @@ void rotary_(at::Tensor& x, const at::Tensor& cos_sin, int64_t head_size, int64_
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_", [&] {
     scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* cp = cos_sin.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, row_grain(heads * rotary_dim), [&](int64_t begin, int64_t end) {
+    ascent_par::parallel_for(0, rows, row_grain(heads * rotary_dim), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* cosr = cp + t * cs;
         const scalar_t* sinr = cosr + rotary_dim;
@@ -201,7 +202,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, row_grain(8 * d), [&](int64_t begin, int64_t end) {
+    ascent_par::parallel_for(0, rows, row_grain(8 * d), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const scalar_t* g = xp + i * xs;
         if constexpr (std::is_same_v<scalar_t, bf16>) {
@@ -343,7 +344,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     AttendFn attend_vec = grouped.whole;
     if (attend_vec == nullptr && has_avx512()) attend_vec = attend_avx512_for(d);
     if (attend_vec == nullptr && has_avx2_fma()) attend_vec = attend_avx2_for(d);
-    at::parallel_for(0, n * kv_heads, 4, [&](int64_t begin, int64_t end) {
+    ascent_par::parallel_for(0, n * kv_heads, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
       for (int64_t u = begin; u < end; ++u) {
         const int64_t i = u / kv_heads, h = u % kv_heads;

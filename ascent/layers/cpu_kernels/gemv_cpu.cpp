@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "parallel_team.h"
 #include "stream_prefetch.h"
 
 namespace {
@@ -260,7 +261,7 @@ torch::Tensor run_linear_small_m(const torch::Tensor& x, const SmallMLinear& pla
   }
   const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k));  // >= ~32 KiB of weights per task
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  ascent_par::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     run_rows(a, path, is_half, b0 * kRowBlock, std::min(n, b1 * kRowBlock));
   });
   auto out_sizes = x.sizes().vec();

@@ -25,9 +25,9 @@ int64_t check_amx_pack(const at::Tensor& wp) {
 at::Tensor amx_i8_run(const AmxI8Operands& o, int64_t m, const at::Tensor& out) {
   const int64_t pairs = (o.n / 16 + 1) / 2;
   if (m > 32 && m <= 64) {  // one pass over the weight (amx_i8_block64)
-    at::parallel_for(0, o.n / 16, 8, [&](int64_t begin, int64_t end) { amx_i8_blocks64(o, m, begin, end); });
+    ascent_par::parallel_for(0, o.n / 16, 8, [&](int64_t begin, int64_t end) { amx_i8_blocks64(o, m, begin, end); });
   } else if (m > 0) {
-    at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { amx_i8_pairs(o, m, begin, end); });
+    ascent_par::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { amx_i8_pairs(o, m, begin, end); });
   }
   return out;
 }
@@ -110,9 +110,9 @@ at::Tensor w8a16_linear_amx(const at::Tensor& x_in, const at::Tensor& wp, const 
                          b.empty() ? nullptr : b.data(), out.scalar_type(), out.data_ptr()}};
   const int64_t m = x.size(0), pairs = (n / 16 + 1) / 2;
   if (m > 16 && m <= 32) {  // one pass over the weight (amx_fx_block32)
-    at::parallel_for(0, n / 16, 8, [&](int64_t begin, int64_t end) { amx_fx_blocks32(f, m, begin, end); });
+    ascent_par::parallel_for(0, n / 16, 8, [&](int64_t begin, int64_t end) { amx_fx_blocks32(f, m, begin, end); });
   } else if (m > 0) {
-    at::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { amx_fx_pairs(f, m, begin, end); });
+    ascent_par::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { amx_fx_pairs(f, m, begin, end); });
   }
   return like_x(out, x_in);
 }

@@ -27,6 +27,7 @@
 #include <torch/extension.h>
 
 #include "amx_tiles.h"
+#include "parallel_team.h"
 #include "stream_prefetch.h"
 
 #include <ATen/Parallel.h>
@@ -141,7 +142,7 @@ constexpr int64_t kRowGrainValues = 32768;
 
 template <typename RowFn>
 void for_float_rows(const at::Tensor& x, int64_t k, const RowFn& row_fn) {
-  at::parallel_for(0, x.size(0), std::max<int64_t>(1, kRowGrainValues / std::max<int64_t>(k, 1)),
+  ascent_par::parallel_for(0, x.size(0), std::max<int64_t>(1, kRowGrainValues / std::max<int64_t>(k, 1)),
                    [&](int64_t begin, int64_t end) {
                      std::vector<float> row(static_cast<size_t>(k));
                      for (int64_t m = begin; m < end; ++m) {
@@ -195,7 +196,7 @@ void parallel_rows(int64_t n, const Body& body) {
   const int64_t chunks = (n + grain - 1) / grain;
   const int64_t workers = std::min<int64_t>(threads, chunks);
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::max<int64_t>(workers, 1), 1, [&](int64_t, int64_t) {
+  ascent_par::parallel_for(0, std::max<int64_t>(workers, 1), 1, [&](int64_t, int64_t) {
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
       body(c * grain, std::min(n, (c + 1) * grain));
   });

@@ -41,7 +41,7 @@ at::Tensor w4a16_block_layout(const at::Tensor& packed, bool to_blocks) {
   at::Tensor out = packed.clone();  // the tail rows as they are
   const uint8_t* src = packed.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n / kRowBlock, 16, [&](int64_t begin, int64_t end) {
+  ascent_par::parallel_for(0, n / kRowBlock, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       for (int64_t r = 0; r < kRowBlock; ++r)
         for (int64_t hf = 0; hf < halves; ++hf) {

@@ -197,7 +197,7 @@ void parallel_blocks(int64_t n, const Body& body) {
   const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
   const int64_t chunks = std::min(n, 2 * threads);
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::max<int64_t>(std::min(threads, chunks), 1), 1, [&](int64_t, int64_t) {
+  ascent_par::parallel_for(0, std::max<int64_t>(std::min(threads, chunks), 1), 1, [&](int64_t, int64_t) {
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) body(c * n / chunks, (c + 1) * n / chunks);
   });
 }

@@ -73,7 +73,7 @@ void split_decode_attention(const DecodeAttentionCall& a, int64_t n, const Group
   std::vector<float> results(static_cast<size_t>(parts * stride));
   const auto q_of = [&](const KeyRange& u) { return a.qp + u.row * a.qs + u.head * gd; };
   const auto out_of = [&](const KeyRange& u) { return a.op + (u.row * a.kv_heads + u.head) * gd; };
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+  ascent_par::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t k = begin; k < end; ++k) {
       const KeyRange& u = units[k];
