@@ -190,7 +190,16 @@ def test_w4a16_stack_on_amx_tiles_equals_module_path(tmp_path, monkeypatch):
         assert stack.largest_step == len(prompts)  # every decode step of the batch ran in the stack
 
 
-def test_team_steps_equal_forked_steps_and_survive_a_failing_step(tmp_path, monkeypatch):
+@pytest.fixture
+def two_threads():
+    """torch at 2 threads for the test (an earlier test may have left it at 1), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_team_steps_equal_forked_steps_and_survive_a_failing_step(tmp_path, monkeypatch, two_threads):
     """Decode steps run as one team of torch's threads (``cpu_kernels/parallel_team.h``) give the values of the same
     steps with a fork and join per loop (``set_team_rows(0)``); an error raised inside a team step reaches Python
     as an exception (no hang) and the next steps run normally."""
@@ -198,7 +207,7 @@ def test_team_steps_equal_forked_steps_and_survive_a_failing_step(tmp_path, monk
     team = _generate(llm, PROMPTS)
     stack = _decoder_model(llm)._decode_stack
     cpp = stack._stack
-    assert stack.steps_run > 0 and torch.get_num_threads() > 1
+    assert stack.steps_run > 0 and torch.get_num_threads() == 2
     assert cpp.team_rows() == 64  # AMX tiles / small-M kernel for every dense projection: teams on
     hidden = torch.zeros(1, stack.model.embed_tokens.weight.shape[1], dtype=torch.bfloat16)
     bad_rows = torch.zeros(1, 2 * stack.model.rotary_emb.rotary_dim, dtype=torch.float32)  # not bf16: rotary fails
