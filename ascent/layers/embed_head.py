@@ -8,8 +8,8 @@ Quantized tables (``quant_config.get_quant_method`` returns a ``QuantEmbeddingMe
 ``AscendEmbeddingMethod``): the parameters come from the quant type's *linear* scheme (``create_weights`` with
 N = local vocab rows, K = embedding dim); every parameter with an ``output_dim`` is sharded / padded along the vocab
 like the float weight (``packed_factor`` rows per stored row when ``packed_dim == output_dim``), the others are
-copied whole. The lm_head computes ``quant_method.apply(hidden, bias)``; an input embedding dequantizes only the
-looked-up rows (``quant_method.embedding``; weight-only formats).
+copied whole. The lm_head computes float32 ``quant_method.apply_logits(hidden, bias)``; an input embedding
+dequantizes only the looked-up rows (``quant_method.embedding``; weight-only formats).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
-            logits = self.quant_method.apply(self, hidden_states, self.bias)
+            logits = self.quant_method.apply_logits(self, hidden_states, self.bias)
         else:
             logits = cpu_linear(hidden_states, self.weight, getattr(self, "packed_weight", None), self.bias,
                                 getattr(self, "small_m_ops", None), getattr(self, "amx_weight", None),

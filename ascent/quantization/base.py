@@ -113,6 +113,11 @@ class QuantLinearScheme(QuantScheme):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Fast path chosen by shape (e.g. ``torch._int_mm`` for W8A8); output in x's dtype."""
 
+    def apply_logits(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`apply` for a quantized lm_head: float32 ``[..., N]`` logits. Default: :meth:`apply`'s output
+        widened; schemes whose kernels can write float32 directly override it (no 16-bit rounding, no copy)."""
+        return self.apply(layer, x, bias).float()
+
     @abstractmethod
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """The float32 weight ``[N, K]`` the stored tensors represent (after ``process_weights_after_loading``)."""

@@ -82,6 +82,10 @@ class QuantLinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.scheme.apply(layer, x, bias)
 
+    def apply_logits(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits of a quantized lm_head (:meth:`QuantLinearScheme.apply_logits`)."""
+        return self.scheme.apply_logits(layer, x, bias)
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         self.scheme.process_weights_after_loading(layer)
 

@@ -92,6 +92,13 @@ class W8A8DynamicLinear(QuantLinearScheme):
             return self.apply_reference(layer, x, bias)
         return apply_int8_dynamic(layer, x, bias)
 
+    def apply_logits(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits: ``x`` widened exactly to float32 quantizes to the same int8 rows and scales, so the
+        kernels' int32 sums and fp32 epilogue are :meth:`apply`'s, stored without the 16-bit rounding."""
+        if use_reference(self):
+            return self.apply_reference(layer, x, bias).float()
+        return apply_int8_dynamic(layer, x.float(), bias)
+
     def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:
         """How a C++ decode stack calls this linear's small-M kernel (``kernels.STACK_KIND_*``), None without it."""
         return int8_dynamic_stack_call(layer)

@@ -6,7 +6,7 @@ quant type on a ``VocabParallelEmbedding``).
   of HF transformers run on the dequantized tables;
 * lm_head with an activation-quantized scheme (W8A8_DYNAMIC) and vocab sharding over two TP ranks (padding rows
   zero) equals the TP=1 head; an input embedding with W4A16 pack-quantized asymmetric groups dequantizes exactly the
-  looked-up rows, also sharded;
+  looked-up rows, also sharded; a bf16 W8A8-dynamic head writes float32 logits straight from its kernels;
 * what is not supported says so: an activation-quantized *input* embedding, quantized tied embeddings.
 """
 
@@ -26,6 +26,7 @@ from ascent.distributed.parallel_state import init_tensor_parallel
 from ascent.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from ascent.loader.base import get_model
 from ascent.quantization.base import QuantizationConfig, QuantSpec
+from ascent.quantization.kernels import int8_linear_dynamic
 from ascent.quantization.method_adapters import QuantEmbeddingMethod
 from tests.fixtures.tiny_models import build_model
 from tests.unit.quant.scheme_utils import gaussian, quant_asym, quant_sym, rel, t
@@ -128,6 +129,26 @@ def test_w8a8_dynamic_lm_head_vocab_sharded_over_two_ranks() -> None:
         parts.append(head.quant_method.apply(head, hidden, head.bias))  # the all-gather concatenates these
     init_tensor_parallel(0, 1)
     torch.testing.assert_close(torch.cat(parts, -1)[:, :VOCAB], logits, rtol=1e-6, atol=1e-6)
+
+
+def test_w8a8_dynamic_bf16_lm_head_writes_float32_logits_unrounded() -> None:
+    """A bf16 model's W8A8-dynamic head: the kernels write float32 logits directly (the widened hidden state quantizes
+    to the same int8 rows), equal to the float32 reference; rounded to bf16 they are ``apply``'s bf16 output."""
+    vocab = 128  # N % 16 == 0 and K % 64 == 0: the AMX-INT8 tiles where the CPU has them, else the VNNI kernel
+    w, b = gaussian((vocab, DIM), 73, 0.05), gaussian((vocab,), 74, 0.1)
+    hidden = t(gaussian((3, DIM), 75)).to(torch.bfloat16)
+    q, s = quant_sym(w, 8)
+    head = _load(ParallelLMHead(vocab, DIM, bias=True, params_dtype=torch.bfloat16, prefix="lm_head",
+                                quant_config=OneSpec(QuantSpec("W8A8_DYNAMIC", layer_type="embedding"))),
+                 {"weight": t(q), "weight_scale": t(s), "weight_offset": torch.zeros(vocab, 1), "bias": t(b)})
+    logits = head(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (3, vocab)
+    exact = int8_linear_dynamic(hidden.float(), head.weight.t(), head.weight_scale.float().reshape(-1),
+                                head.bias.float())
+    assert torch.equal(logits, exact)
+    bf16_out = head.quant_method.apply(head, hidden, head.bias)
+    assert bf16_out.dtype == torch.bfloat16 and torch.equal(logits.to(torch.bfloat16), bf16_out)
+    assert not torch.equal(logits, bf16_out.float())  # the unrounded values differ from the widened bf16 ones
 
 
 def test_w4a16_pack_quantized_embedding_rows() -> None:
