@@ -400,7 +400,7 @@ at::Tensor run_wo_nv(const at::Tensor& x, const WoNvPlan& plan) {
         }
     });
   }
-  std::vector<float> y(static_cast<size_t>(n));
+  std::vector<float> y(exact_rows.empty() ? 0 : static_cast<size_t>(n));
   for (int64_t m : exact_rows) {
     wo_nv_exact_row(x, m, k, a.w, steps, bits, n, plan.scale_nk, plan.zero_nk, groups, y.data());
     for (int64_t r = 0; r < n; ++r) store(m, r, y[r] + (bv.empty() ? 0.f : bv[r]));
