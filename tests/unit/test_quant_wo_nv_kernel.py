@@ -112,6 +112,26 @@ def test_outlier_activations(ops, bits, dtype):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n", [64, 200, 330, 576])
+def test_rows_do_not_depend_on_how_threads_split_them(ops, bits, n):
+    """Threads take contiguous runs of half super-blocks (32 rows), an odd count of super-blocks split in the middle
+    (576 rows: 9), padding halves skipped (200 rows: the last super-block holds 8): every thread count gives the same
+    bits, within the reference's tolerance."""
+    x, q, scale, zero, bias = operands(3, 576, n, 9, bits, 5 + n, torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2, 3, 4):
+            torch.set_num_threads(count)
+            outs.append(nv_linear(ops, bits, x, q, scale, zero, bias))
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    assert_close(outs[0], ref_weight_only(x, q, scale, zero, bias))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 def test_rows_do_not_depend_on_the_batch(ops, bits):
     x, q, scale, zero, bias = operands(5, 576, 100, 9, bits, 3, torch.bfloat16)
     x[2] *= 1000.0

@@ -93,30 +93,32 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m51
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// 64 rows of super-block sb for x rows m0 .. m0 + MB - 1 -> out[m][64] (fp32, before bias).
+// Rows 16 v0 .. 16 (v0 + NV) - 1 (vectors v0 .. v0 + NV - 1; NV = 4: all 64, NV = 2: a half) of super-block sb for x
+// rows m0 .. m0 + MB - 1 -> out[m][16 v0 ..] (out[m][64], fp32, before bias).
 // (kBf16: the scales are bf16; compile-time, as a runtime choice there cost the two-row kernels half their speed)
-template <int kBits, int MB, bool kBf16>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_nv_superblock(const WoNvArgs& a, int64_t sb,
-                                                                                      int64_t m0, float* out) {
+template <int kBits, int MB, bool kBf16, int NV>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_nv_vectors(const WoNvArgs& a, int64_t sb,
+                                                                                   int64_t v0, int64_t m0, float* out) {
   using G = NvGeometry<kBits>;
   const __m512i nib = _mm512_set1_epi8(0x0F);
-  const uint8_t* w = a.w + sb * a.steps * kNvStepBytes;
+  const uint8_t* w = a.w + sb * a.steps * kNvStepBytes + 64 * v0;
   const int64_t gs = a.grouped ? a.nspans : 1;
-  const int64_t scale0 = sb * gs * kNvRows;
-  const float* zs = a.zs ? a.zs + sb * gs * kNvRows : nullptr;
-  __m512 y[MB][4];
+  const int64_t scale0 = sb * gs * kNvRows + 16 * v0;
+  const float* zs = a.zs ? a.zs + sb * gs * kNvRows + 16 * v0 : nullptr;
+  out += 16 * v0;
+  __m512 y[MB][NV];
   for (int m = 0; m < MB; ++m)
-    for (int b = 0; b < 4; ++b) y[m][b] = _mm512_setzero_ps();
+    for (int b = 0; b < NV; ++b) y[m][b] = _mm512_setzero_ps();
   for (int64_t sp = 0; sp < a.nspans; ++sp) {
-    __m512i hi[MB][4], lo[MB][4];
+    __m512i hi[MB][NV], lo[MB][NV];
     for (int m = 0; m < MB; ++m)
-      for (int b = 0; b < 4; ++b) hi[m][b] = lo[m][b] = _mm512_setzero_si512();
+      for (int b = 0; b < NV; ++b) hi[m][b] = lo[m][b] = _mm512_setzero_si512();
     for (int64_t s = a.span_step[sp]; s < a.span_step[sp + 1]; ++s) {
       const uint8_t* p = w + s * kNvStepBytes;
-      for (int b = 0; b < 4; ++b)
+      for (int b = 0; b < NV; ++b)
         _mm_prefetch(reinterpret_cast<const char*>(p + kNvPrefetchBytes + 64 * b), _MM_HINT_T2);
-      __m512i v[4];
-      for (int b = 0; b < 4; ++b) v[b] = _mm512_loadu_si512(p + 64 * b);
+      __m512i v[NV];
+      for (int b = 0; b < NV; ++b) v[b] = _mm512_loadu_si512(p + 64 * b);
       for (int m = 0; m < MB; ++m) {
         const int64_t xo = (m0 + m) * a.ldx + s * G::kStepCols;
         int32_t h0, l0;
@@ -128,14 +130,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_nv_super
           std::memcpy(&h1, a.xhi + xo + 4, 4);
           std::memcpy(&l1, a.xlo + xo + 4, 4);
           const __m512i xh1 = _mm512_set1_epi32(h1), xl1 = _mm512_set1_epi32(l1);
-          for (int b = 0; b < 4; ++b) {
+          for (int b = 0; b < NV; ++b) {
             const __m512i u0 = _mm512_and_si512(v[b], nib);
             const __m512i u1 = _mm512_and_si512(_mm512_srli_epi16(v[b], 4), nib);
             hi[m][b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(hi[m][b], u0, xh0), u1, xh1);
             lo[m][b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lo[m][b], u0, xl0), u1, xl1);
           }
         } else {
-          for (int b = 0; b < 4; ++b) {
+          for (int b = 0; b < NV; ++b) {
             hi[m][b] = _mm512_dpbusd_epi32(hi[m][b], v[b], xh0);
             lo[m][b] = _mm512_dpbusd_epi32(lo[m][b], v[b], xl0);
           }
@@ -143,13 +145,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_nv_super
       }
     }
     const int64_t g = a.grouped ? sp : 0;
-    __m512 sv[4];  // the span's scales, shared by the x rows
-    for (int b = 0; b < 4; ++b)
+    __m512 sv[NV];  // the span's scales, shared by the x rows
+    for (int b = 0; b < NV; ++b)
       sv[b] = a.grouped ? nv_scales<kBf16>(a.scale, scale0 + g * kNvRows + 16 * b) : _mm512_setzero_ps();
     for (int m = 0; m < MB; ++m) {
       const __m512i corr = _mm512_set1_epi32(a.corr[(m0 + m) * a.nspans + sp]);
       const __m512 zt = _mm512_set1_ps(zs ? a.zterm[(m0 + m) * a.nspans + sp] : 0.f);
-      for (int b = 0; b < 4; ++b) {
+      for (int b = 0; b < NV; ++b) {
         const __m512i t = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi[m][b], 8), lo[m][b]), corr);
         const __m512 f = _mm512_cvtepi32_ps(t);
         y[m][b] = a.grouped ? _mm512_fmadd_ps(f, sv[b], y[m][b]) : _mm512_add_ps(y[m][b], f);
@@ -162,7 +164,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_nv_super
     float zsum = 0.f;  // per-channel zero point: sum of x / 2^e over all spans
     if (zs && !a.grouped)
       for (int64_t sp = 0; sp < a.nspans; ++sp) zsum += a.zterm[(m0 + m) * a.nspans + sp];
-    for (int b = 0; b < 4; ++b) {
+    for (int b = 0; b < NV; ++b) {
       __m512 r = y[m][b];
       if (!a.grouped) {
         r = _mm512_mul_ps(r, nv_scales<kBf16>(a.scale, scale0 + 16 * b));
@@ -173,9 +175,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void wo_nv_super
   }
 }
 
-// 64 fp32 values -> bf16, rounded to nearest even as c10::BFloat16 (a vector holding a NaN goes element-wise).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void store_bf16_rows(const float* y, uint16_t* dst) {
-  for (int b = 0; b < 4; ++b) {
+// 16 * vectors fp32 values (64 by default) -> bf16, rounded to nearest even as c10::BFloat16 (a vector holding a NaN
+// goes element-wise).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void store_bf16_rows(const float* y, uint16_t* dst,
+                                                                          int vectors = 4) {
+  for (int b = 0; b < vectors; ++b) {
     const __m512 v = _mm512_loadu_ps(y + 16 * b);
     if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) {
       for (int i = 0; i < 16; ++i) dst[16 * b + i] = c10::BFloat16(y[16 * b + i]).x;
@@ -199,6 +203,27 @@ void parallel_blocks(int64_t n, const Body& body) {
   std::atomic<int64_t> next{0};
   ascent_par::parallel_for(0, std::max<int64_t>(std::min(threads, chunks), 1), 1, [&](int64_t, int64_t) {
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) body(c * n / chunks, (c + 1) * n / chunks);
+  });
+}
+
+// body(sb, v0, vectors) over the halves of super-blocks [0, n) (vectors 0-1 and 2-3, 32 rows each; a whole
+// super-block is one call with v0 = 0, vectors = 4) in contiguous runs: 2 per thread, handed out dynamically, when
+// they split the halves evenly, else one per thread. Each thread streams its rows in order, and an odd count splits
+// its middle super-block (9 super-blocks over 2 threads: 4.5 each, where whole super-blocks gave 5 and 4; handing out
+// single super-blocks interleaved the two threads' streams: SmolLM2's 120 W4A16 decode linears took 1.21x the time).
+template <typename Body>
+void parallel_halves(int64_t n, const Body& body) {
+  const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1), halves = 2 * n;
+  const int64_t chunks = std::min(halves, halves % (2 * threads) == 0 ? 2 * threads : threads);
+  std::atomic<int64_t> next{0};
+  ascent_par::parallel_for(0, std::max<int64_t>(std::min(threads, chunks), 1), 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      int64_t h = c * halves / chunks;
+      const int64_t end = (c + 1) * halves / chunks;
+      if (h % 2 == 1 && h < end) body(h++ / 2, 2, 2);
+      for (; h + 2 <= end; h += 2) body(h / 2, 0, 4);
+      if (h < end) body(h / 2, 0, 2);
+    }
   });
 }
 
@@ -373,31 +398,36 @@ at::Tensor run_wo_nv(const at::Tensor& x, const WoNvPlan& plan) {
   auto out = at::empty({m_rows, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const Store store{out.data_ptr(), out.scalar_type(), n};
   const int64_t nsb = npad / kNvRows;
-  using Fn = void (*)(const WoNvArgs&, int64_t, int64_t, float*);
-  static const Fn kernels[8] = {wo_nv_superblock<8, 1, false>, wo_nv_superblock<8, 2, false>,
-                                wo_nv_superblock<8, 1, true>,  wo_nv_superblock<8, 2, true>,
-                                wo_nv_superblock<4, 1, false>, wo_nv_superblock<4, 2, false>,
-                                wo_nv_superblock<4, 1, true>,  wo_nv_superblock<4, 2, true>};
+  using Fn = void (*)(const WoNvArgs&, int64_t, int64_t, int64_t, float*);
+  static const Fn kernels[16] = {  // [bits 8 / 4][fp32 / bf16 scales][1 / 2 x rows][half / whole super-block]
+      wo_nv_vectors<8, 1, false, 2>, wo_nv_vectors<8, 1, false, 4>, wo_nv_vectors<8, 2, false, 2>,
+      wo_nv_vectors<8, 2, false, 4>, wo_nv_vectors<8, 1, true, 2>,  wo_nv_vectors<8, 1, true, 4>,
+      wo_nv_vectors<8, 2, true, 2>,  wo_nv_vectors<8, 2, true, 4>,  wo_nv_vectors<4, 1, false, 2>,
+      wo_nv_vectors<4, 1, false, 4>, wo_nv_vectors<4, 2, false, 2>, wo_nv_vectors<4, 2, false, 4>,
+      wo_nv_vectors<4, 1, true, 2>,  wo_nv_vectors<4, 1, true, 4>,  wo_nv_vectors<4, 2, true, 2>,
+      wo_nv_vectors<4, 2, true, 4>};
   if (static_cast<int64_t>(exact_rows.size()) < m_rows) {
-    parallel_blocks(nsb, [&](int64_t begin, int64_t end) {
+    parallel_halves(nsb, [&](int64_t sb, int64_t v0, int64_t vectors) {
       float acc[2 * kNvRows];
-      for (int64_t sb = begin; sb < end; ++sb)
-        for (int64_t m0 = 0; m0 < m_rows; m0 += 2) {
-          const int64_t mb = std::min<int64_t>(2, m_rows - m0);
-          kernels[(bits == 4 ? 4 : 0) + (a.scale_bf16 ? 2 : 0) + (mb - 1)](a, sb, m0, acc);
-          for (int64_t m = 0; m < mb; ++m) {
-            if (exact[m0 + m]) continue;
-            const int64_t row0 = sb * kNvRows, rows = std::min(kNvRows, n - row0);
-            float* y = acc + m * kNvRows;
-            if (!bv.empty())
-              for (int64_t r = 0; r < rows; ++r) y[r] += bv[row0 + r];
-            if (out.scalar_type() == at::kBFloat16 && rows == kNvRows) {
-              store_bf16_rows(y, static_cast<uint16_t*>(out.data_ptr()) + (m0 + m) * n + row0);
-            } else {
-              for (int64_t r = 0; r < rows; ++r) store(m0 + m, row0 + r, y[r]);
-            }
+      const int64_t row0 = sb * kNvRows + 16 * v0, rows = std::min(16 * vectors, n - row0);
+      if (rows <= 0) return;  // a half of padding rows
+      for (int64_t m0 = 0; m0 < m_rows; m0 += 2) {
+        const int64_t mb = std::min<int64_t>(2, m_rows - m0);
+        kernels[(bits == 4 ? 8 : 0) + (a.scale_bf16 ? 4 : 0) + 2 * (mb - 1) + (vectors == 4 ? 1 : 0)](a, sb, v0, m0,
+                                                                                                        acc);
+        for (int64_t m = 0; m < mb; ++m) {
+          if (exact[m0 + m]) continue;
+          float* y = acc + m * kNvRows + 16 * v0;
+          if (!bv.empty())
+            for (int64_t r = 0; r < rows; ++r) y[r] += bv[row0 + r];
+          if (out.scalar_type() == at::kBFloat16 && rows == 16 * vectors) {
+            store_bf16_rows(y, static_cast<uint16_t*>(out.data_ptr()) + (m0 + m) * n + row0,
+                            static_cast<int>(vectors));
+          } else {
+            for (int64_t r = 0; r < rows; ++r) store(m0 + m, row0 + r, y[r]);
           }
         }
+      }
     });
   }
   std::vector<float> y(exact_rows.empty() ? 0 : static_cast<size_t>(n));
