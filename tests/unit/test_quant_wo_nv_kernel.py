@@ -325,6 +325,31 @@ def test_w8a8_nv_bit_identical(ops, dtype, m, k):
             assert torch.equal(ops.w8a8_static_linear_nv(x, packed, row_sum, 0.02, 3.0, deq, qb, b), expected)
 
 
+@pytest.mark.parametrize("n", [64, 200, 576])
+def test_w8a8_nv_any_thread_split_is_bit_identical(ops, n):
+    """Threads take runs of half super-blocks (an odd count of super-blocks split in the middle, padding halves
+    skipped, a half's rows stored one by one): every thread count equals ``int8_linear_dynamic`` / ``_static``."""
+    if not has_vnni(ops):
+        pytest.skip("the W8A8 row-interleaved kernel needs AVX512-VNNI")
+    g = gen(n)
+    q = torch.randint(-128, 128, (n, 576), generator=g, dtype=torch.int8)
+    row_sum, w_scale, bias = q.sum(1, dtype=torch.int32), torch.rand(n, generator=g) * 0.01, torch.randn(n, generator=g)
+    deq, packed = torch.rand(n, generator=g) * 1e-4, ops.wo_nv_pack(q, 8, 0)
+    threads = torch.get_num_threads()
+    try:
+        for m in (1, 5):
+            x = torch.randn(m, 576, generator=g).bfloat16()
+            dynamic = kernels.int8_linear_dynamic(x, q.t(), w_scale, bias.bfloat16())
+            static = kernels.int8_linear_static(x, q.t(), 0.02, 3.0, deq, None, bias.bfloat16())
+            for count in (1, 2, 3, 4):
+                torch.set_num_threads(count)
+                assert torch.equal(ops.w8a8_dynamic_linear_nv(x, packed, row_sum, w_scale, bias.bfloat16()), dynamic)
+                assert torch.equal(ops.w8a8_static_linear_nv(x, packed, row_sum, 0.02, 3.0, deq, None,
+                                                             bias.bfloat16()), static)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_w8a8_dynamic_rows_with_nan_or_inf_give_nan_rows(isa_ops, dtype):
     """A NaN or inf in an activation row makes that row's outputs NaN in the row and row-interleaved kernels alike,

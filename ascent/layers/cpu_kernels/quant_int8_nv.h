@@ -7,30 +7,33 @@
 
 constexpr int64_t kNvInt8MaxMB = 4;  // x rows per pass over a super-block (16 int32 accumulators)
 
-// acc[m][64] for x rows m0 .. m0 + MB - 1 and super-block sb (before the row-sum correction).
-template <int MB>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void int8_nv_superblock(
-    const uint8_t* w, int64_t steps, const uint8_t* xq, int64_t ldx, int64_t m0, int64_t sb, int32_t* acc) {
-  const uint8_t* p = w + sb * steps * kNvStepBytes;
-  __m512i a[MB][4];
+// acc[m][16 v0 .. 16 (v0 + NV)) (acc [MB][64]) for x rows m0 .. m0 + MB - 1 and vectors v0 .. v0 + NV - 1 of
+// super-block sb (NV = 4: the whole super-block, 2: a half; before the row-sum correction).
+template <int MB, int NV>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void int8_nv_vectors(
+    const uint8_t* w, int64_t steps, const uint8_t* xq, int64_t ldx, int64_t m0, int64_t sb, int64_t v0,
+    int32_t* acc) {
+  const uint8_t* p = w + sb * steps * kNvStepBytes + 64 * v0;
+  __m512i a[MB][NV];
   for (int m = 0; m < MB; ++m)
-    for (int b = 0; b < 4; ++b) a[m][b] = _mm512_setzero_si512();
+    for (int b = 0; b < NV; ++b) a[m][b] = _mm512_setzero_si512();
   for (int64_t s = 0; s < steps; ++s, p += kNvStepBytes) {
-    for (int b = 0; b < 4; ++b) _mm_prefetch(reinterpret_cast<const char*>(p + kNvPrefetchBytes + 64 * b), _MM_HINT_T2);
-    __m512i v[4];
-    for (int b = 0; b < 4; ++b) v[b] = _mm512_loadu_si512(p + 64 * b);
+    for (int b = 0; b < NV; ++b)
+      _mm_prefetch(reinterpret_cast<const char*>(p + kNvPrefetchBytes + 64 * b), _MM_HINT_T2);
+    __m512i v[NV];
+    for (int b = 0; b < NV; ++b) v[b] = _mm512_loadu_si512(p + 64 * b);
     for (int m = 0; m < MB; ++m) {
       int32_t x4;
       std::memcpy(&x4, xq + (m0 + m) * ldx + 4 * s, 4);
       const __m512i xb = _mm512_set1_epi32(x4);
-      for (int b = 0; b < 4; ++b) a[m][b] = _mm512_dpbusd_epi32(a[m][b], xb, v[b]);
+      for (int b = 0; b < NV; ++b) a[m][b] = _mm512_dpbusd_epi32(a[m][b], xb, v[b]);
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int b = 0; b < 4; ++b) _mm512_storeu_si512(acc + m * kNvRows + 16 * b, a[m][b]);
+    for (int b = 0; b < NV; ++b) _mm512_storeu_si512(acc + m * kNvRows + 16 * (v0 + b), a[m][b]);
 }
 
-using Int8NvFn = void (*)(const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int32_t*);
+using Int8NvFn = void (*)(const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t, int32_t*);
 
 // The epilogues of a whole super-block (64 rows from row0) for one x row, vectorised with the scalar epilogues' exact
 // operations and order (so bit-identical to them): a = acc - 128 row_sum, then
@@ -77,36 +80,39 @@ const uint8_t* int8_nv_weight(const at::Tensor& packed, int64_t n, int64_t k) {
 // y [M, N] = epi(m, n, x_q . W_q) on the packed signed layout (w as int8_nv_weight checked it); xq [M, ldx] as
 // quantize_rows_*(vnni = true) gives.
 // block_epi(m, row0, acc, y) computes epi for the 64 rows of a whole super-block at once (fp32 y), bf16 and fp32
-// outputs are stored 64 at a time; a partial last super-block and fp16 outputs go element by element.
+// outputs are stored 64 at a time; a partial last super-block, a half super-block (parallel_halves) and fp16 outputs
+// go element by element.
 template <typename Epilogue, typename BlockEpilogue>
 at::Tensor int8_nv_linear(const at::Tensor& x, const std::vector<uint8_t>& xq, int64_t ldx, const uint8_t* w,
                           int64_t n, int64_t k, const int32_t* row_sum, Epilogue epi, BlockEpilogue block_epi) {
   const int64_t m_rows = x.size(0), npad = nv_padded(n, kNvRows), steps = nv_padded(k, 4) / 4;
-  static const Int8NvFn fns[kNvInt8MaxMB] = {int8_nv_superblock<1>, int8_nv_superblock<2>, int8_nv_superblock<3>,
-                                             int8_nv_superblock<4>};
+  static const Int8NvFn fns[2][kNvInt8MaxMB] = {
+      {int8_nv_vectors<1, 2>, int8_nv_vectors<2, 2>, int8_nv_vectors<3, 2>, int8_nv_vectors<4, 2>},
+      {int8_nv_vectors<1, 4>, int8_nv_vectors<2, 4>, int8_nv_vectors<3, 4>, int8_nv_vectors<4, 4>}};
   auto out = at::empty({m_rows, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const Store store{out.data_ptr(), out.scalar_type(), n};
   const bool block_store = out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat;
-  parallel_blocks(npad / kNvRows, [&](int64_t begin, int64_t end) {
+  parallel_halves(npad / kNvRows, [&](int64_t sb, int64_t v0, int64_t vectors) {
     int32_t acc[kNvInt8MaxMB * kNvRows];
     float y[kNvRows];
-    for (int64_t sb = begin; sb < end; ++sb)
-      for (int64_t m0 = 0; m0 < m_rows; m0 += kNvInt8MaxMB) {
-        const int64_t mb = std::min(kNvInt8MaxMB, m_rows - m0), row0 = sb * kNvRows;
-        fns[mb - 1](w, steps, xq.data(), ldx, m0, sb, acc);
-        for (int64_t m = 0; m < mb; ++m) {
-          if (block_store && row0 + kNvRows <= n) {
-            block_epi(m0 + m, row0, acc + m * kNvRows, y);
-            if (out.scalar_type() == at::kBFloat16)
-              store_bf16_rows(y, static_cast<uint16_t*>(store.base) + (m0 + m) * n + row0);
-            else
-              std::memcpy(static_cast<float*>(store.base) + (m0 + m) * n + row0, y, sizeof(y));
-            continue;
-          }
-          for (int64_t r = 0; r < kNvRows && row0 + r < n; ++r)
-            store(m0 + m, row0 + r, epi(m0 + m, row0 + r, acc[m * kNvRows + r] - 128 * row_sum[row0 + r]));
+    const int64_t row0 = sb * kNvRows, first = row0 + 16 * v0, last = std::min(first + 16 * vectors, n);
+    if (first >= n) return;  // a half of padding rows
+    for (int64_t m0 = 0; m0 < m_rows; m0 += kNvInt8MaxMB) {
+      const int64_t mb = std::min(kNvInt8MaxMB, m_rows - m0);
+      fns[vectors == 4 ? 1 : 0][mb - 1](w, steps, xq.data(), ldx, m0, sb, v0, acc);
+      for (int64_t m = 0; m < mb; ++m) {
+        if (block_store && vectors == 4 && row0 + kNvRows <= n) {
+          block_epi(m0 + m, row0, acc + m * kNvRows, y);
+          if (out.scalar_type() == at::kBFloat16)
+            store_bf16_rows(y, static_cast<uint16_t*>(store.base) + (m0 + m) * n + row0);
+          else
+            std::memcpy(static_cast<float*>(store.base) + (m0 + m) * n + row0, y, sizeof(y));
+          continue;
         }
+        for (int64_t r = first; r < last; ++r)
+          store(m0 + m, r, epi(m0 + m, r, acc[m * kNvRows + (r - row0)] - 128 * row_sum[r]));
       }
+    }
   });
   return out;
 }

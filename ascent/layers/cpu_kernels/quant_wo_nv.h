@@ -193,19 +193,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void store_bf16_rows(const 
   }
 }
 
-// body(begin, end) over super-blocks [0, n) in 2 chunks per thread of equal size (+-1 super-block), handed out
-// dynamically: a chunk count that is a multiple of the threads keeps a small matrix balanced (9 super-blocks in
-// chunks of 3 would leave one of 2 threads idle a third of the call).
-template <typename Body>
-void parallel_blocks(int64_t n, const Body& body) {
-  const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
-  const int64_t chunks = std::min(n, 2 * threads);
-  std::atomic<int64_t> next{0};
-  ascent_par::parallel_for(0, std::max<int64_t>(std::min(threads, chunks), 1), 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) body(c * n / chunks, (c + 1) * n / chunks);
-  });
-}
-
 // body(sb, v0, vectors) over the halves of super-blocks [0, n) (vectors 0-1 and 2-3, 32 rows each; a whole
 // super-block is one call with v0 = 0, vectors = 4) in contiguous runs: 2 per thread, handed out dynamically, when
 // they split the halves evenly, else one per thread. Each thread streams its rows in order, and an odd count splits
