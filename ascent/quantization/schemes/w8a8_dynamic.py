@@ -96,7 +96,7 @@ class W8A8DynamicLinear(QuantLinearScheme):
         """float32 logits: ``x`` widened exactly to float32 quantizes to the same int8 rows and scales, so the
         kernels' int32 sums and fp32 epilogue are :meth:`apply`'s, stored without the 16-bit rounding."""
         if use_reference(self):
-            return self.apply_reference(layer, x, bias).float()
+            return self.apply_reference(layer, x.float(), bias)
         return apply_int8_dynamic(layer, x.float(), bias)
 
     def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:

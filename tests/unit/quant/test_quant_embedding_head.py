@@ -149,6 +149,10 @@ def test_w8a8_dynamic_bf16_lm_head_writes_float32_logits_unrounded() -> None:
     bf16_out = head.quant_method.apply(head, hidden, head.bias)
     assert bf16_out.dtype == torch.bfloat16 and torch.equal(logits.to(torch.bfloat16), bf16_out)
     assert not torch.equal(logits, bf16_out.float())  # the unrounded values differ from the widened bf16 ones
+    head.quant_method.scheme.force_reference = True  # the reference path: float32 too, unrounded
+    reference = head(hidden)
+    assert reference.dtype == torch.float32 and rel(reference.numpy(), logits.numpy()) < 1e-5
+    assert not torch.equal(reference, reference.to(torch.bfloat16).float())
 
 
 def test_w4a16_pack_quantized_embedding_rows() -> None:
