@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ascent import LLM, SamplingParams
+from ascent.models.decode_stack import linear_call
 from tests.fixtures.tiny_models import build_model
 
 PROMPTS = ["Hello world! This is", "The quick brown fox", "a", "tiny tokenizer for tests of an inference engine"]
@@ -170,7 +171,6 @@ def test_w4a16_stack_on_amx_tiles_equals_module_path(tmp_path, monkeypatch):
     (``quantization/wo_amx.py``): a 17-sequence batch runs every decode step in the stack, with the module path's
     values."""
     from ascent.layers.cpu_kernels import amx_ops
-    from ascent.models.decode_stack import linear_call
     from ascent.quantization import kernels
     from ascent.quantization.export.quantize import quantize_model
 
@@ -208,8 +208,6 @@ def test_team_steps_equal_forked_steps_and_survive_a_failing_step(tmp_path, monk
     stack = _decoder_model(llm)._decode_stack
     cpp = stack._stack
     assert stack.steps_run > 0 and torch.get_num_threads() == 2
-    from ascent.models.decode_stack import linear_call
-
     # teams up to 64 rows, fewer where a dense projection's AMX / small-M range ends (this CPU's kernels decide)
     projections = [p for layer in stack.model.layers
                    for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
