@@ -89,7 +89,9 @@ class EngineArgs:
                 continue
             meta = f.metadata
             names = ["--" + f.name.replace("_", "-")] + ([meta["short"]] if meta.get("short") else [])
-            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta.get("help")}
+            help_text = meta.get("help")  # argparse %-formats help strings: a literal % must be doubled
+            kwargs: dict[str, Any] = {"dest": f.name, "default": f.default,
+                                      "help": help_text.replace("%", "%%") if help_text else help_text}
             typ = _base_type(hints[f.name])
             if typ is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
