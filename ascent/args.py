@@ -52,6 +52,8 @@ class EngineArgs:
         "weight/activation dtype", ("auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16")))
     max_model_len: int | None = field(default=None, metadata=_opt("maximum context length (prompt + output)"))
     seed: int = field(default=0, metadata=_opt("engine random seed"))
+    max_logprobs: int = field(default=20, metadata=_opt(
+        "most logprobs / prompt_logprobs per token a request may ask for (-1 = the whole vocabulary)"))
     block_size: int | None = field(default=None, metadata=_opt(
         "KV cache block size in tokens (default 16, or the profile's kernel block size)"))
     enable_prefix_caching: bool = field(default=True, metadata=_opt("reuse KV blocks of identical prefixes"))
@@ -126,6 +128,7 @@ class EngineArgs:
             max_model_len=derive_max_model_len(hf_config, self.max_model_len),
             seed=self.seed,
             quantization=self.quantization,
+            max_logprobs=self.max_logprobs,
             hf_config=hf_config,
             torch_dtype=_resolve_dtype(device_config, hf_config, self.dtype),
         )

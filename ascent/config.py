@@ -32,6 +32,7 @@ class ModelConfig:
     served_model_name: str | None = None
     chat_template: str | None = None
     quantization: str | None = None  # None / "auto" = detect from the checkpoint (vLLM semantics); "none" = float
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (-1: no limit), as vLLM
     hf_config: Any = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
     eos_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -40,6 +41,8 @@ class ModelConfig:
         if self.quantization is not None:
             _require(self.quantization in QUANTIZATION_METHODS, "quantization", self.quantization,
                      f"must be one of {QUANTIZATION_METHODS}")
+        _require(isinstance(self.max_logprobs, int) and self.max_logprobs >= -1, "max_logprobs", self.max_logprobs,
+                 "must be -1 (no limit) or a non-negative integer")
 
     @property
     def vocab_size(self) -> int:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 _SAMPLING_EPS = 1e-5
+# the seeds a torch.Generator takes (a negative seed is read modulo 2^64)
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 class SamplingType(IntEnum):
@@ -48,10 +51,13 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     output_kind: int = 0
     # Filled by the engine: tokenizer EOS ∪ generation_config EOS (not the request's own stop_token_ids).
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     _eos_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine from bad_words: the token sequences whose last token is banned after the others.
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -108,8 +114,8 @@ class SamplingParams:
             not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < -1
         ):
             raise bad("prompt_logprobs", self.prompt_logprobs, "must be non-negative (or -1)")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "must be an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or not _SEED_MIN <= self.seed <= _SEED_MAX):
+            raise bad("seed", self.seed, f"must be an integer in [{_SEED_MIN}, {_SEED_MAX}]")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", self.stop, "must contain only non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -119,6 +125,14 @@ class SamplingParams:
                 raise bad("allowed_token_ids", self.allowed_token_ids, "must not be empty")
             if any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids", self.allowed_token_ids, "must be non-negative integers")
+        if self.truncate_prompt_tokens is not None and (
+                not isinstance(self.truncate_prompt_tokens, int) or self.truncate_prompt_tokens == 0
+                or self.truncate_prompt_tokens < -1):
+            raise bad("truncate_prompt_tokens", self.truncate_prompt_tokens,
+                      "must be a positive integer (the prompt tokens kept) or -1 (max_model_len)")
+        if self.bad_words is not None and (
+                isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words", self.bad_words, "must be a list of non-blank strings")
         if self.best_of is not None and self.best_of < self.n:
             raise bad("best_of", self.best_of, f"must be >= n={self.n}")
 
@@ -151,5 +165,29 @@ class SamplingParams:
         self._eos_token_ids = set() if self.ignore_eos else set(eos_token_ids)
         self._all_stop_token_ids = set(self.stop_token_ids) | self._eos_token_ids
 
+    def update_from_tokenizer(self, tokenizer: Any, vocab_size: int) -> None:
+        """Tokenize ``bad_words`` as vLLM does: each word alone, and after a space when that gives a different first
+        token of the same length (a word inside the text); ids outside the vocabulary are a ValueError."""
+        self._bad_words_token_ids = []
+        for word in self.bad_words or []:
+            alone = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            self._bad_words_token_ids.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                self._bad_words_token_ids.append(spaced)
+        invalid = [t for ids in self._bad_words_token_ids for t in ids if not 0 <= t < vocab_size]
+        if invalid:
+            raise ValueError(f"bad_words={self.bad_words!r} tokenize to ids {invalid} outside the vocabulary "
+                             f"(size {vocab_size}).")
+
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
+
+
+def truncate_prompt(prompt_token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """``truncate_prompt_tokens`` as vLLM applies it: the last ``keep`` prompt tokens (left truncation; -1 keeps
+    ``max_model_len``), or the whole prompt when ``keep`` is None or covers it."""
+    if keep is None:
+        return prompt_token_ids
+    keep = max_model_len if keep == -1 else keep
+    return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids

@@ -15,7 +15,7 @@ from ascent.core.output_processor import IterationStats, OutputProcessor
 from ascent.core.parallel_sampling import ParentRequest
 from ascent.metrics.loggers import LoggingStatLogger
 from ascent.outputs import RequestOutput
-from ascent.sampling_params import SamplingParams
+from ascent.sampling_params import SamplingParams, truncate_prompt
 from ascent.loader.model_info import get_eos_token_ids
 from ascent.tokenizer import get_tokenizer
 
@@ -61,7 +61,7 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"prompt={prompt!r} must be a string, a list of token ids or a dict.")
 
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         mc = self.config.model_config
         n = len(prompt_token_ids)
         if n == 0:
@@ -74,6 +74,15 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids contain out-of-vocabulary ids {bad[:8]} (vocab size {mc.vocab_size}).")
         params.verify_vocab(mc.vocab_size)
+        for name, asked in (("sample logprobs", params.logprobs), ("prompt logprobs", params.prompt_logprobs)):
+            num = mc.vocab_size if asked == -1 else asked
+            if num is not None and mc.max_logprobs != -1 and num > mc.max_logprobs:
+                raise ValueError(f"Requested {name} of {num}, which is greater than max allowed: {mc.max_logprobs} "
+                                 "(engine argument max_logprobs).")
+        policy = self.config.scheduler_config.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled "
+                             f"(scheduling_policy={policy!r}).")
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> str:
@@ -81,8 +90,11 @@ class LLMEngine:
         request_id = str(next(self._request_counter)) if request_id is None else request_id
         params = (params or SamplingParams()).clone()
         prompt_text, prompt_ids = self.tokenize_prompt(prompt)
-        self._validate(prompt_ids, params)
+        prompt_ids = truncate_prompt(prompt_ids, params.truncate_prompt_tokens, self.config.model_config.max_model_len)
+        self._validate(prompt_ids, params, priority)
         params.update_from_generation_config(self.config.model_config.eos_token_ids)
+        if params.bad_words:
+            params.update_from_tokenizer(self.tokenizer, self.config.model_config.vocab_size)
         if params.max_tokens is None:
             params.max_tokens = self.config.model_config.max_model_len - len(prompt_ids)
         arrival_time = time.time() if arrival_time is None else arrival_time

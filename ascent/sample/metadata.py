@@ -6,7 +6,7 @@ feature, so a plain batch costs a few small host tensors per step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +23,7 @@ class SamplingMetadata:
     -1 (full vocabulary) or the largest requested count; prompt_token_ids: int64 [B, max_prompt_len] padded with V,
     built only when some row has a repetition penalty; penalty tensors: float32 [B], None when ``no_penalties``;
     allowed_token_ids_mask: bool [B, V], True = NOT allowed; min_tokens: rows still below their min_tokens -> stop
-    ids to mask.
+    ids to mask; bad_words_token_ids: row -> the token sequences of its bad_words.
     """
 
     temperature: torch.Tensor
@@ -43,6 +43,7 @@ class SamplingMetadata:
     logit_bias: list[dict[int, float] | None]
     allowed_token_ids_mask: torch.Tensor | None
     min_tokens: dict[int, set[int]]
+    bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -85,6 +86,7 @@ class SamplingMetadata:
             logit_bias=[_checked_bias(p.logit_bias, vocab_size) for p in params],
             allowed_token_ids_mask=_allowed_mask(params, vocab_size, device),
             min_tokens=_min_tokens(params, output_token_ids, vocab_size),
+            bad_words_token_ids={i: p._bad_words_token_ids for i, p in enumerate(params) if p._bad_words_token_ids},
         )
 
 
@@ -116,9 +118,9 @@ def _optional(values: list, neutral: float, dtype: torch.dtype, device: torch.de
 def is_plain_greedy(p: SamplingParams) -> bool:
     """Whether the sampler's token for a row with ``p`` is the argmax of its raw logits and nothing else is asked of
     it: greedy, no logprobs, and no logits processor that could change a logit (penalties, logit_bias,
-    allowed_token_ids, min_tokens)."""
+    allowed_token_ids, min_tokens, bad_words)."""
     return (p.temperature < _SAMPLING_EPS and p.logprobs is None and _neutral_penalties(p) and not p.logit_bias
-            and p.allowed_token_ids is None and not p.min_tokens)
+            and p.allowed_token_ids is None and not p.min_tokens and not p.bad_words)
 
 
 def _neutral_penalties(p: SamplingParams) -> bool:

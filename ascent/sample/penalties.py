@@ -40,6 +40,24 @@ def apply_min_tokens(logits: torch.Tensor, min_tokens: dict[int, set[int]]) -> t
     return logits
 
 
+def apply_bad_words(logits: torch.Tensor, bad_words: dict[int, list[list[int]]],
+                    output_token_ids: list[list[int]]) -> torch.Tensor:
+    """vLLM's bad_words: for row -> token sequences, the last token of a sequence is masked when the row's output
+    ends with the sequence's other tokens (a one-token word is always masked)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, sequences in bad_words.items():
+        output = output_token_ids[row]
+        for seq in sequences:
+            prefix = seq[:-1]
+            if len(prefix) <= len(output) and (not prefix or output[-len(prefix):] == prefix):
+                rows.append(row)
+                cols.append(seq[-1])
+    if rows:
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
+    return logits
+
+
 def apply_logit_bias(logits: torch.Tensor, logit_bias: list[dict[int, float] | None]) -> torch.Tensor:
     """Add ``logit_bias[row][token]`` to ``logits[row, token]``."""
     rows: list[int] = []

@@ -20,7 +20,13 @@ import torch.nn as nn
 
 from ascent.sample.logprobs import LogprobsTensors, compute_logprobs_tensors
 from ascent.sample.metadata import SamplingMetadata
-from ascent.sample.penalties import apply_allowed_token_ids, apply_logit_bias, apply_min_tokens, apply_penalties
+from ascent.sample.penalties import (
+    apply_allowed_token_ids,
+    apply_bad_words,
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+)
 from ascent.sample.rng import RandomSampler, argmax_rows
 from ascent.sample.topk_topp import apply_min_p, apply_top_k_top_p
 
@@ -49,12 +55,13 @@ def _fp32_copy(logits: torch.Tensor) -> torch.Tensor:
 def has_logits_processors(metadata: SamplingMetadata) -> bool:
     """Whether :func:`apply_logits_processors` would change any logit of this batch."""
     return (metadata.allowed_token_ids_mask is not None or bool(metadata.min_tokens)
-            or any(metadata.logit_bias) or not metadata.no_penalties)
+            or any(metadata.logit_bias) or not metadata.no_penalties or bool(metadata.bad_words_token_ids))
 
 
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """allowed_token_ids, min_tokens, logit_bias, penalties, in place on float32 ``[B, V]``."""
+    """allowed_token_ids, bad_words, min_tokens, logit_bias, penalties, in place on float32 ``[B, V]``."""
     apply_allowed_token_ids(logits, metadata.allowed_token_ids_mask)
+    apply_bad_words(logits, metadata.bad_words_token_ids, metadata.output_token_ids)
     apply_min_tokens(logits, metadata.min_tokens)
     apply_logit_bias(logits, metadata.logit_bias)
     if not metadata.no_penalties:

@@ -129,9 +129,9 @@ class SpecDecodeMetadata:
 def expand_sampling_metadata(md: SamplingMetadata, spec: SpecDecodeMetadata) -> SamplingMetadata:
     """Per-request metadata -> per-target-row metadata (``spec.total_rows`` rows), for the logits processors.
 
-    Settings are repeated per position; output histories (materialised only when penalties apply) and min_tokens
-    follow the drafts before each position. ``generators`` is empty and ``max_num_logprobs`` None: the rejection
-    sampler draws its own randomness per request.
+    Settings are repeated per position; output histories (materialised only when penalties or bad_words apply)
+    and min_tokens follow the drafts before each position. ``generators`` is empty and ``max_num_logprobs`` None:
+    the rejection sampler draws its own randomness per request.
     """
     if md.num_rows != spec.num_requests:
         raise ValueError(f"sampling metadata has {md.num_rows} rows but there are {spec.num_requests} requests.")
@@ -141,7 +141,7 @@ def expand_sampling_metadata(md: SamplingMetadata, spec: SpecDecodeMetadata) -> 
     def pick(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.index_select(0, rows.to(t.device))
 
-    if md.no_penalties:
+    if md.no_penalties and not md.bad_words_token_ids:
         histories = [md.output_token_ids[r] for r in rows_np.tolist()]
     else:
         histories = spec.position_histories(md.output_token_ids)
@@ -163,6 +163,8 @@ def expand_sampling_metadata(md: SamplingMetadata, spec: SpecDecodeMetadata) -> 
         logit_bias=[md.logit_bias[r] for r in rows_np.tolist()],
         allowed_token_ids_mask=pick(md.allowed_token_ids_mask),
         min_tokens=_position_min_tokens(md, spec),
+        bad_words_token_ids={row: md.bad_words_token_ids[req] for row, req in enumerate(rows_np.tolist())
+                             if req in md.bad_words_token_ids},
     )
 
 

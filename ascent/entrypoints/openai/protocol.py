@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import math
 import time
 import uuid
 from http import HTTPStatus
@@ -12,8 +15,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ascent.outputs import RequestOutputKind
 from ascent.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 # OpenAI caps top_logprobs at 20; vLLM follows.
 MAX_TOP_LOGPROBS = 20
+# OpenAI clamps each logit_bias value to [-100, 100]; vLLM follows.
+MAX_LOGIT_BIAS = 100.0
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# vLLM request features this server does not implement: rejected rather than silently ignored
+_UNSUPPORTED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                       "structured_outputs", "use_beam_search")
 
 
 def random_uuid() -> str:
@@ -84,14 +95,15 @@ class ModelList(OpenAIBaseModel):
 
 
 class _SamplingRequest(OpenAIBaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI, then vLLM extras)."""
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI, then vLLM extras). Unknown fields are
+    ignored and logged (as vLLM does); features this server lacks (structured output, tool calls) are a 400."""
 
     model: str | None = None
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     n: int = 1
     presence_penalty: float = 0.0
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -110,6 +122,33 @@ class _SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     priority: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        unsupported = [name for name in _UNSUPPORTED_FIELDS if data.get(name) not in (None, False)]
+        if unsupported:
+            raise ValueError(f"{unsupported} are not supported by this server.")
+        fmt = data.get("response_format")
+        if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+            raise ValueError(f"response_format type {fmt.get('type')!r} (structured output) is not supported by "
+                             "this server; only 'text'.")
+        plp = data.get("prompt_logprobs")
+        if isinstance(plp, int) and not isinstance(plp, bool):
+            if data.get("stream") and (plp > 0 or plp == -1):
+                raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+            if plp < -1:
+                raise ValueError(f"`prompt_logprobs` must be a positive value or -1, got {plp}.")
+        ignored = sorted(set(data) - set(cls.model_fields))
+        if ignored:
+            logger.warning("The following fields were present in the request but ignored: %s", ignored)
+        return data
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "_SamplingRequest":
@@ -123,6 +162,11 @@ class _SamplingRequest(OpenAIBaseModel):
             logit_bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         except ValueError as exc:
             raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)!r}.") from exc
+        if logit_bias:
+            nan = [k for k, v in logit_bias.items() if math.isnan(v)]
+            if nan:
+                raise ValueError(f"logit_bias values must be numbers, got NaN for token ids {nan}.")
+            logit_bias = {k: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, v)) for k, v in logit_bias.items()}
         return SamplingParams(
             n=self.n,
             presence_penalty=self.presence_penalty,
@@ -144,6 +188,9 @@ class _SamplingRequest(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
@@ -184,9 +231,16 @@ class CompletionRequest(_SamplingRequest):
             return [p]
         return list(p)
 
+    @property
+    def echo_without_generation(self) -> bool:
+        """``echo`` with ``max_tokens=0`` (OpenAI, vLLM): the prompt comes back (with its logprobs when asked), and
+        the engine runs one step that is not returned."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """``default_max_tokens`` (``max_model_len - prompt_len``) applies when ``max_tokens`` is None."""
-        params = self._build_params(self.max_tokens, default_max_tokens, self.logprobs)
+        max_tokens = 1 if self.echo_without_generation else self.max_tokens
+        params = self._build_params(max_tokens, default_max_tokens, self.logprobs)
         if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = self.logprobs
         return params
@@ -199,12 +253,25 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """One alternative of a prompt position (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: Logprob}
+PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -245,6 +312,8 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -253,8 +322,10 @@ class ChatCompletionRequest(_SamplingRequest):
             top = data["top_logprobs"]
             if isinstance(top, int) and not 0 <= top <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}.")
-            if not data.get("logprobs"):
+            if top and not data.get("logprobs"):
                 raise ValueError("when using top_logprobs, logprobs must be set to true.")
+        if isinstance(data, dict) and data.get("tools") and data.get("tool_choice", "auto") != "none":
+            raise ValueError("tool calling is not supported by this server (tools need tool_choice 'none').")
         return data
 
     @model_validator(mode="after")
@@ -312,6 +383,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -366,9 +438,22 @@ class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
 
 
+def _chunk_fields(value: Any) -> Any:
+    """``value`` as JSON data, models without the None fields nobody set (a None passed explicitly stays)."""
+    if isinstance(value, BaseModel):
+        return {name: _chunk_fields(getattr(value, name)) for name in type(value).model_fields
+                if getattr(value, name) is not None or name in value.model_fields_set}
+    if isinstance(value, (list, tuple)):
+        return [_chunk_fields(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _chunk_fields(v) for k, v in value.items()}
+    return value
+
+
 def sse_event(chunk: BaseModel) -> str:
-    """One server-sent event: ``data: <json>`` and a blank line (null fields are left out, as in vLLM's chunks)."""
-    return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+    """One server-sent event: ``data: <json>`` and a blank line. A None field is left out unless it was set
+    explicitly, so an open choice carries ``"finish_reason": null`` as in vLLM's and OpenAI's chunks."""
+    return f"data: {json.dumps(_chunk_fields(chunk), ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

@@ -59,6 +59,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = self.render_chat(request.messages, request.add_generation_prompt, request.chat_template_kwargs,
                                   request.continue_final_message)
         token_ids = self.encode(prompt, add_special_tokens=False)  # the template placed the special tokens
+        token_ids = self.truncate(token_ids, request.truncate_prompt_tokens)
         self.check_prompt(token_ids)
         params = request.to_sampling_params(self.default_max_tokens(token_ids))
         self.check_params(token_ids, params)
@@ -88,7 +89,10 @@ class OpenAIServingChat(OpenAIServing):
             for out in sorted(final.outputs, key=lambda o: o.index)
         ]
         usage = make_usage(len(final.prompt_token_ids), sum(len(o.token_ids) for o in final.outputs))
-        return ChatCompletionResponse(**header, choices=choices, usage=usage)
+        response = ChatCompletionResponse(**header, choices=choices, usage=usage)
+        if request.prompt_logprobs is not None:
+            response.prompt_logprobs = self.prompt_logprobs(final.prompt_logprobs)
+        return response
 
     # ------------------------------------------------------------------------------------------------ stream
     async def _stream(self, request: ChatCompletionRequest, num_prompt_tokens: int,
@@ -101,7 +105,10 @@ class OpenAIServingChat(OpenAIServing):
                     if first:  # the role opens every choice once the engine accepted the request
                         first = False
                         for index in range(request.n):
-                            yield sse_event(self._chunk(header, index, DeltaMessage(role="assistant", content="")))
+                            chunk = self._chunk(header, index, DeltaMessage(role="assistant", content=""))
+                            if request.continuous_usage:
+                                chunk.usage = make_usage(num_prompt_tokens, 0)
+                            yield sse_event(chunk)
                     for out in result.outputs:
                         num_tokens[out.index] += len(out.token_ids)
                         chunk = self._chunk(header, out.index, DeltaMessage(content=out.text),

@@ -77,6 +77,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = []
         for raw in raw_prompts:
             text, ids = (raw, self.encode(raw)) if isinstance(raw, str) else (None, list(raw))
+            ids = self.truncate(ids, request.truncate_prompt_tokens)
             self.check_prompt(ids)
             params = request.to_sampling_params(self.default_max_tokens(ids))
             self.check_params(ids, params)
@@ -101,8 +102,10 @@ class OpenAIServingCompletion(OpenAIServing):
             assert result is not None and result.finished
             for out in sorted(result.outputs, key=lambda o: o.index):
                 choice = self._choice(request, result, out, i * request.n + out.index, _Choice())
+                if request.prompt_logprobs is not None:
+                    choice.prompt_logprobs = self.prompt_logprobs(result.prompt_logprobs)
                 choices.append(choice)
-                num_generated += len(out.token_ids)
+                num_generated += 0 if request.echo_without_generation else len(out.token_ids)
         num_prompt = sum(len(p.token_ids) for p in prompts)
         return CompletionResponse(**header, choices=choices, usage=make_usage(num_prompt, num_generated))
 
@@ -116,7 +119,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     for out in result.outputs:
                         index = i * request.n + out.index
                         state = states[index]
-                        state.num_tokens += len(out.token_ids)
+                        state.num_tokens += 0 if request.echo_without_generation else len(out.token_ids)
                         chunk = CompletionStreamResponse(
                             **header, choices=[self._choice(request, result, out, index, state)])
                         if request.continuous_usage:
@@ -135,9 +138,12 @@ class OpenAIServingCompletion(OpenAIServing):
     # ------------------------------------------------------------------------------------------------ choices
     def _choice(self, request: CompletionRequest, result: RequestOutput, out: CompletionOutput, index: int,
                 state: _Choice) -> CompletionResponseChoice:
-        """One choice (whole or delta); with ``echo`` the first one of each index starts with the prompt."""
+        """One choice (whole or delta); with ``echo`` the first one of each index starts with the prompt (and with
+        ``max_tokens=0`` it is only the prompt)."""
         text, token_ids = out.text, list(out.token_ids)
         entries: list = list(out.logprobs or [])
+        if request.echo_without_generation:
+            text, token_ids, entries = "", [], []
         if request.echo and not state.echoed:
             state.echoed = True
             prompt_text = result.prompt if result.prompt is not None else self.tokenizer.decode(

@@ -17,10 +17,12 @@ from ascent.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    PromptLogprob,
     TokenizeRequest,
     TokenizeResponse,
 )
-from ascent.sampling_params import SamplingParams
+from ascent.outputs import PromptLogprobs
+from ascent.sampling_params import SamplingParams, truncate_prompt
 from ascent.tokenizer import apply_chat_template
 
 T = TypeVar("T")
@@ -105,11 +107,23 @@ class OpenAIServing:
                 f"{total} tokens ({len(prompt_token_ids)} in the prompt, {params.max_tokens} in the completion). "
                 "Please reduce the length of the prompt or max_tokens.")
 
+    def truncate(self, prompt_token_ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last ``keep`` tokens (``truncate_prompt_tokens``; -1: ``max_model_len``), or all of it."""
+        return truncate_prompt(prompt_token_ids, keep, self.max_model_len)
+
     def default_max_tokens(self, prompt_token_ids: list[int]) -> int:
         return self.max_model_len - len(prompt_token_ids)
 
     def token_text(self, token_id: int, decoded: str | None = None) -> str:
         return decoded if decoded is not None else self.tokenizer.decode([token_id])
+
+    def prompt_logprobs(self, entries: PromptLogprobs | None) -> list[dict[int, PromptLogprob] | None]:
+        """vLLM's ``prompt_logprobs`` of a response: per prompt token None or {token id: logprob, rank, decoded
+        token}, -inf clamped to -9999.0 (JSON has no infinity)."""
+        return [None if entry is None else {
+            token_id: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
+                                    decoded_token=self.token_text(token_id, lp.decoded_token))
+            for token_id, lp in entry.items()} for entry in entries or []]
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
