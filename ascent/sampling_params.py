@@ -161,9 +161,10 @@ class SamplingParams:
         return self._all_stop_token_ids
 
     def update_from_generation_config(self, eos_token_ids: set[int]) -> None:
-        """Record the model's EOS set (tokenizer EOS ∪ generation_config EOS)."""
+        """Record the model's EOS set (tokenizer EOS ∪ generation_config EOS): it stops the request unless
+        ``ignore_eos``, and it is among the ids ``min_tokens`` holds back either way (vLLM's all_stop_token_ids)."""
         self._eos_token_ids = set() if self.ignore_eos else set(eos_token_ids)
-        self._all_stop_token_ids = set(self.stop_token_ids) | self._eos_token_ids
+        self._all_stop_token_ids = set(self.stop_token_ids) | set(eos_token_ids)
 
     def update_from_tokenizer(self, tokenizer: Any, vocab_size: int) -> None:
         """Tokenize ``bad_words`` as vLLM does: each word alone, and after a space when that gives a different first

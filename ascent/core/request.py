@@ -127,10 +127,14 @@ class Request:
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
-    """Apply vLLM's stop checks after a token was appended; sets status/stop_reason. Returns True if stopped."""
+    """Apply vLLM's stop checks after a token was appended; sets status/stop_reason. Returns True if stopped. A
+    request that fills max_model_len stops there even below its min_tokens (nothing could be scheduled for it)."""
     params = request.sampling_params
     if request.num_output_tokens < params.min_tokens:
-        return False
+        if request.num_tokens < max_model_len:
+            return False
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
     last = request.output_token_ids[-1]
     if last in params._eos_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED

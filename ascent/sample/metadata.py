@@ -163,7 +163,7 @@ def _min_tokens(
     rows: dict[int, set[int]] = {}
     for row, p in enumerate(params):
         if p.min_tokens and len(output_token_ids[row]) < p.min_tokens:
-            stop_ids = {t for t in (set(p._eos_token_ids) | set(p.stop_token_ids)) if 0 <= t < vocab_size}
+            stop_ids = {t for t in set(p.all_stop_token_ids) | set(p.stop_token_ids) if 0 <= t < vocab_size}
             if stop_ids:
                 rows[row] = stop_ids
     return rows

@@ -62,6 +62,9 @@ class ModelRunner:
             device=self.device,
             vocab_size=self.model_config.vocab_size,
         )
+        # What a preempted request resumes with (the batch drops its row): its seeded generator, so the samples
+        # continue the same stream, and how many prompt positions already got their logprobs.
+        self._preempted: dict[str, tuple[torch.Generator | None, int]] = {}
         spec_config = getattr(config, "speculative_config", None)
         self.spec: SpecDecodeRunner | None = None
         if spec_config is not None:
@@ -121,14 +124,23 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------------ state diff
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
+        for req_id in so.preempted_req_ids:
+            state = batch.states.get(req_id)
+            if state is not None:
+                self._preempted[req_id] = (state.generator, state.prompt_logprobs_done)
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             batch.remove_request(req_id)
+            if req_id in so.finished_req_ids:
+                self._preempted.pop(req_id, None)
             if self.spec is not None:
                 self.spec.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             seed = new.sampling_params.seed
-            gen = make_generator(seed, self.rng_placement, self.device) if seed is not None else None
+            gen, prompt_logprobs_done = self._preempted.pop(new.req_id, (None, 0))
+            if gen is None and seed is not None:
+                gen = make_generator(seed, self.rng_placement, self.device)
             batch.add_request(new, gen)
+            batch.states[new.req_id].prompt_logprobs_done = prompt_logprobs_done
             if self.spec is not None:
                 self.spec.add_request(new.req_id, new.prompt_token_ids, new.output_token_ids)
         cached = so.scheduled_cached_reqs
@@ -309,10 +321,13 @@ class ModelRunner:
             if num is None:
                 continue
             start = int(inp.query_start_loc[i])
-            first_pos = int(inp.positions_np[start])
+            step_first = int(inp.positions_np[start])
+            first_pos = max(step_first, state.prompt_logprobs_done)  # a resumed request recomputes emitted ones
             last_pos = min(int(inp.common.seq_lens_np[i]), state.num_prompt_tokens - 1)
             if last_pos <= first_pos:
                 continue
+            state.prompt_logprobs_done = last_pos
+            start += first_pos - step_first
             rows = torch.arange(start, start + last_pos - first_pos, device=self.device)
             logits = self.model.compute_logits(hidden[rows])
             targets = torch.tensor(state.prompt_token_ids[first_pos + 1 : last_pos + 1], device=self.device)
