@@ -133,8 +133,9 @@ class SamplingParams:
         if self.bad_words is not None and (
                 isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             raise bad("bad_words", self.bad_words, "must be a list of non-blank strings")
-        if self.best_of is not None and self.best_of < self.n:
-            raise bad("best_of", self.best_of, f"must be >= n={self.n}")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad("best_of", self.best_of, f"must equal n={self.n}: best-of selection is not supported (as in "
+                      "vLLM's V1 engine)")
 
     def verify_vocab(self, vocab_size: int) -> None:
         """Check token-id valued fields against the model vocabulary (raises ValueError naming the value)."""

@@ -72,3 +72,23 @@ def apply_chat_template(
     return tokenizer.apply_chat_template(
         messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
     )
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with string content: a list of ``{"type": "text", "text": ...}`` parts is joined by newlines."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a string 'role', got {message!r}.")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"messages[{i}].content: only text parts are supported, got {part!r}.")
+                texts.append(part["text"])
+            message = {**message, "content": "\n".join(texts)}
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts, got {content!r}.")
+        out.append(message)
+    return out

@@ -67,6 +67,10 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run_engine_loop, name="ascent-engine", daemon=True)
         self._thread.start()
 
+    def generation_defaults(self) -> dict[str, Any]:
+        """SamplingParams keywords from the model's generation_config (read from files, not the engine thread)."""
+        return self.engine.generation_defaults()
+
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, log_stats: bool = True) -> "AsyncLLM":
         import_s = _seconds_since_process_start()

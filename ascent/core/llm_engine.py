@@ -16,7 +16,7 @@ from ascent.core.parallel_sampling import ParentRequest
 from ascent.metrics.loggers import LoggingStatLogger
 from ascent.outputs import RequestOutput
 from ascent.sampling_params import SamplingParams, truncate_prompt
-from ascent.loader.model_info import get_eos_token_ids
+from ascent.loader.model_info import get_eos_token_ids, get_generation_defaults
 from ascent.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,13 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
         return cls(engine_args.create_engine_config())
+
+    def generation_defaults(self) -> dict[str, Any]:
+        """SamplingParams keywords from the model's ``generation_config.json`` (vLLM's default sampling params)."""
+        values = get_generation_defaults(self.config.model_config.model)
+        if "max_new_tokens" in values:
+            values["max_tokens"] = values.pop("max_new_tokens")
+        return values
 
     # ------------------------------------------------------------------------------------------------ input
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -10,7 +10,7 @@ from ascent.args import EngineArgs
 from ascent.core.llm_engine import LLMEngine, PromptType
 from ascent.outputs import RequestOutput, RequestOutputKind
 from ascent.sampling_params import SamplingParams
-from ascent.tokenizer import apply_chat_template
+from ascent.tokenizer import apply_chat_template, normalize_messages
 
 ChatMessages = list[dict[str, Any]]
 
@@ -33,6 +33,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams a call without any uses (as vLLM): the model's ``generation_config.json`` sampling
+        values (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens as max_tokens) over
+        SamplingParams' own defaults."""
+        return SamplingParams(**self.llm_engine.generation_defaults())
 
     def generate(
         self,
@@ -59,23 +65,33 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them, then generate."""
+        """Apply the chat template to one conversation or a list of them, then generate. Message content may be a
+        string or a list of OpenAI text parts; ``continue_final_message`` leaves the last (assistant) message open
+        for the model to continue; ``tools`` reach the template."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        kwargs = dict(chat_template_kwargs or {})
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        if tools is not None:
+            kwargs["tools"] = tools
         prompts = [
-            apply_chat_template(self.get_tokenizer(), conv, add_generation_prompt=add_generation_prompt,
-                                chat_template=chat_template, **(chat_template_kwargs or {}))
+            apply_chat_template(self.get_tokenizer(), normalize_messages(conv),
+                                add_generation_prompt=add_generation_prompt, chat_template=chat_template, **kwargs)
             for conv in conversations
         ]
         tok = self.get_tokenizer()
         token_prompts = [{"prompt": p, "prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts]
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
 
-    @staticmethod
-    def _expand_params(sampling_params, num: int) -> list[SamplingParams]:
+    def _expand_params(self, sampling_params, num: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams() for _ in range(num)]
+            return [self.get_default_sampling_params() for _ in range(num)]
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num
         sampling_params = list(sampling_params)

@@ -129,3 +129,15 @@ def test_ignored_fields_are_logged(server, caplog):
     with caplog.at_level(logging.WARNING, logger="ascent.entrypoints.openai.protocol"):
         _ok(server, "/completions", {"prompt": "hi", "max_tokens": 1, "no_such_field": 1})
     assert any("no_such_field" in r.getMessage() for r in caplog.records)
+
+
+def test_generation_config_fills_unset_sampling_fields():
+    from ascent.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    defaults = {"temperature": 0.3, "top_k": 5, "max_tokens": 7}
+    params = CompletionRequest(prompt="x", max_tokens=None).to_sampling_params(100, defaults)
+    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.3, 5, 1.0, 7)
+    params = CompletionRequest(prompt="x", temperature=0.9, max_tokens=20).to_sampling_params(100, defaults)
+    assert (params.temperature, params.max_tokens) == (0.9, 20)
+    chat = ChatCompletionRequest(messages=CHAT).to_sampling_params(4, defaults)
+    assert chat.max_tokens == 4  # the room left in the context caps the default

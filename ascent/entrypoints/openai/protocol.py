@@ -156,8 +156,18 @@ class _SamplingRequest(OpenAIBaseModel):
             raise ValueError("stream_options can only be set when stream is true.")
         return self
 
-    def _build_params(self, max_tokens: int | None, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for this request (raises ValueError on invalid values)."""
+    def _build_params(self, max_tokens: int | None, default_max_tokens: int, logprobs: int | None,
+                      defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams for this request (raises ValueError on invalid values). A sampling field the request
+        leaves unset takes the model's generation_config value from ``defaults`` (SamplingParams keywords), else
+        the OpenAI default; without ``max_tokens`` the output may fill the context, capped by the default's."""
+        defaults = defaults or {}
+
+        def pick(value: Any, name: str, fallback: Any) -> Any:
+            return value if value is not None else defaults.get(name, fallback)
+
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, defaults.get("max_tokens", default_max_tokens))
         try:
             logit_bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         except ValueError as exc:
@@ -171,16 +181,16 @@ class _SamplingRequest(OpenAIBaseModel):
             n=self.n,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
+            temperature=pick(self.temperature, "temperature", 1.0),
+            top_p=pick(self.top_p, "top_p", 1.0),
+            top_k=pick(self.top_k, "top_k", 0),
+            min_p=pick(self.min_p, "min_p", 0.0),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
@@ -237,10 +247,11 @@ class CompletionRequest(_SamplingRequest):
         the engine runs one step that is not returned."""
         return self.echo and self.max_tokens == 0
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """``default_max_tokens`` (``max_model_len - prompt_len``) applies when ``max_tokens`` is None."""
+    def to_sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """``default_max_tokens`` (``max_model_len - prompt_len``) applies when ``max_tokens`` is None; ``defaults``:
+        the model's generation_config sampling values."""
         max_tokens = 1 if self.echo_without_generation else self.max_tokens
-        params = self._build_params(max_tokens, default_max_tokens, self.logprobs)
+        params = self._build_params(max_tokens, default_max_tokens, self.logprobs, defaults)
         if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = self.logprobs
         return params
@@ -337,11 +348,12 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
         return self
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """``max_completion_tokens`` wins over the deprecated ``max_tokens``; neither -> ``default_max_tokens``."""
+    def to_sampling_params(self, default_max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """``max_completion_tokens`` wins over the deprecated ``max_tokens``; neither -> ``default_max_tokens``;
+        ``defaults``: the model's generation_config sampling values."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._build_params(max_tokens, default_max_tokens, logprobs)
+        return self._build_params(max_tokens, default_max_tokens, logprobs, defaults)
 
 
 class ChatMessage(OpenAIBaseModel):

@@ -61,7 +61,7 @@ class OpenAIServingChat(OpenAIServing):
         token_ids = self.encode(prompt, add_special_tokens=False)  # the template placed the special tokens
         token_ids = self.truncate(token_ids, request.truncate_prompt_tokens)
         self.check_prompt(token_ids)
-        params = request.to_sampling_params(self.default_max_tokens(token_ids))
+        params = request.to_sampling_params(self.default_max_tokens(token_ids), self.sampling_defaults)
         self.check_params(token_ids, params)
         return prompt, token_ids, params
 

@@ -79,7 +79,7 @@ class OpenAIServingCompletion(OpenAIServing):
             text, ids = (raw, self.encode(raw)) if isinstance(raw, str) else (None, list(raw))
             ids = self.truncate(ids, request.truncate_prompt_tokens)
             self.check_prompt(ids)
-            params = request.to_sampling_params(self.default_max_tokens(ids))
+            params = request.to_sampling_params(self.default_max_tokens(ids), self.sampling_defaults)
             self.check_params(ids, params)
             prompts.append(_Prompt(text, ids, params))
         return prompts

@@ -23,7 +23,7 @@ from ascent.entrypoints.openai.protocol import (
 )
 from ascent.outputs import PromptLogprobs
 from ascent.sampling_params import SamplingParams, truncate_prompt
-from ascent.tokenizer import apply_chat_template
+from ascent.tokenizer import apply_chat_template, normalize_messages
 
 T = TypeVar("T")
 
@@ -45,6 +45,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.model_config.max_model_len
         self.vocab_size: int = engine.model_config.vocab_size
+        self.sampling_defaults = engine.generation_defaults()  # generation_config values for unset request fields
 
     # ------------------------------------------------------------------------------------------------ model names
     def check_model(self, model: str | None) -> ErrorResponse | None:
@@ -124,26 +125,6 @@ class OpenAIServing:
             token_id: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
                                     decoded_token=self.token_text(token_id, lp.decoded_token))
             for token_id, lp in entry.items()} for entry in entries or []]
-
-
-def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages with string content: a list of ``{"type": "text", "text": ...}`` parts is joined by newlines."""
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ValueError(f"messages[{i}] must be an object with a string 'role', got {message!r}.")
-        content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"messages[{i}].content: only text parts are supported, got {part!r}.")
-                texts.append(part["text"])
-            message = {**message, "content": "\n".join(texts)}
-        elif content is not None and not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string or a list of text parts, got {content!r}.")
-        out.append(message)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------- async helpers
