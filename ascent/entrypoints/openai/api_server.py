@@ -94,8 +94,17 @@ def to_response(result: Any) -> Response:
     return Response(status_code=499)  # the client disconnected; nobody reads this
 
 
-def error_json(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> JSONResponse:
-    return to_response(ErrorResponse.create(message, status))
+def error_json(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, param: str | None = None) -> JSONResponse:
+    return to_response(ErrorResponse.create(message, status, param=param))
+
+
+def _invalid_param(exc: RequestValidationError) -> str | None:
+    """The request field the first validation error is about (None for whole-request checks)."""
+    for err in exc.errors():
+        fields = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if fields:
+            return fields[0]
+    return None
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -113,7 +122,7 @@ def _validation_message(exc: RequestValidationError) -> str:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_json(_validation_message(exc))
+        return error_json(_validation_message(exc), param=_invalid_param(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
