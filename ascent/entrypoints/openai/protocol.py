@@ -168,15 +168,7 @@ class _SamplingRequest(OpenAIBaseModel):
 
         if max_tokens is None:
             max_tokens = min(default_max_tokens, defaults.get("max_tokens", default_max_tokens))
-        try:
-            logit_bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
-        except ValueError as exc:
-            raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)!r}.") from exc
-        if logit_bias:
-            nan = [k for k, v in logit_bias.items() if math.isnan(v)]
-            if nan:
-                raise ValueError(f"logit_bias values must be numbers, got NaN for token ids {nan}.")
-            logit_bias = {k: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, v)) for k, v in logit_bias.items()}
+        logit_bias = _clamped_logit_bias(self.logit_bias) if self.logit_bias else None
         return SamplingParams(
             n=self.n,
             presence_penalty=self.presence_penalty,
@@ -211,6 +203,18 @@ class _SamplingRequest(OpenAIBaseModel):
     @property
     def continuous_usage(self) -> bool:
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+
+def _clamped_logit_bias(raw: dict[str, float]) -> dict[int, float]:
+    """``logit_bias`` with token-id keys and values clamped to [-100, 100] (OpenAI, vLLM); NaN is a ValueError."""
+    try:
+        bias = {int(k): v for k, v in raw.items()}
+    except ValueError as exc:
+        raise ValueError(f"logit_bias keys must be token ids, got {list(raw)!r}.") from exc
+    nan = [k for k, v in bias.items() if math.isnan(v)]
+    if nan:
+        raise ValueError(f"logit_bias values must be numbers, got NaN for token ids {nan}.")
+    return {k: min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, v)) for k, v in bias.items()}
 
 
 # ------------------------------------------------------------------------------------------------------- completions
