@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -109,6 +110,8 @@ def export_schemes(args: argparse.Namespace, cache: Path) -> dict[str, dict[str,
         record: dict[str, Any] = {"path": str(out), "error": None}
         try:
             if not (out / "config.json").is_file():
+                if out.exists():  # an interrupted export in the bench's own cache
+                    shutil.rmtree(out)
                 if float_model is None:
                     float_model = load_float_model(args.model, "bfloat16")
                     args.group_size = pick_group_size(float_model.model, args.group_size, head)

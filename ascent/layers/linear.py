@@ -120,6 +120,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, where: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"{where}: checkpoint shard shape {tuple(src.shape)} != parameter shape {tuple(dst.shape)}")
+    if dst.is_floating_point() and not (src.is_floating_point() or src.dtype is torch.bool):
+        # quantized integers read as float weights: the checkpoint's quantization config was missed or overridden
+        raise ValueError(f"{where}: the checkpoint holds {src.dtype} values for a {dst.dtype} parameter - a quantized "
+                         "checkpoint loaded without its quantization config (ModelSlim quant_model_description.json, "
+                         "config.json quantization_config) or with --quantization none")
     dst.copy_(src)
 
 

@@ -72,6 +72,11 @@ def args_to_quant_type(fmt: str, w: dict[str, Any], a: dict[str, Any] | None) ->
         if a["type"] == "float" and a["num_bits"] in (4, 8):
             return "W4A4_MXFP4" if a["num_bits"] == 4 else "W4A8_MXFP"
     if fmt in ("int-quantized", "float-quantized", "naive-quantized") and a is not None:
+        if not (w["symmetric"] and a["symmetric"]):  # no zero points in the activation-quantized kernels
+            raise NotImplementedError(
+                f"No compressed-tensors compatible quantization type for format={fmt!r}: asymmetric "
+                f"{'weights' if not w['symmetric'] else 'input activations'} (zero points) are not supported with "
+                f"quantized activations; weights={w}, input_activations={a}")
         a_token_dyn = a["strategy"] == "token" and _is_dynamic(a)
         if wt == "int" and wb == 8 and ws == "channel" and a["type"] == "int" and a["num_bits"] == 8:
             if a["strategy"] == "tensor" and not _is_dynamic(a):

@@ -21,7 +21,7 @@ from ascent.quantization.export.calibrate import collect_input_stats, corpus_tok
 from ascent.quantization.export.ct_writer import write_compressed_tensors
 from ascent.quantization.export.modelslim_writer import write_modelslim
 from ascent.quantization.export.schemes import (FORMATS, LayerExport, check_asymmetric, check_group_size,
-                                                get_scheme, quantize_layer)
+                                                check_packed_width, get_scheme, quantize_layer)
 from ascent.quantization.export.smoothquant import apply_smoothquant, smooth_lm_head
 from ascent.quantization.export.source import FloatModel, load_float_model
 
@@ -72,6 +72,27 @@ def _write_config(model: Any, out_dir: Path, dtype: torch.dtype, quant_config: d
         f.write("\n")
 
 
+def check_output_dir(out_dir: str | Path) -> None:
+    """ValueError unless ``out_dir`` is absent or an empty directory: writing into another export would leave the
+    other format's files behind (a checkpoint neither loader reads), and into the source would overwrite it."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"output directory {str(out)!r} is not empty; give a new or empty directory")
+
+
+def _check_dense(model: Any) -> None:
+    """ValueError for a mixture-of-experts model: the exporter quantizes nn.Linear projections only, so expert
+    weights would stay float under names the MoE loaders do not take."""
+    config = getattr(model, "config", None)
+    experts = max((int(getattr(config, k, 0) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts")),
+                  default=0)
+    if experts > 0 or any(p.dim() > 2 for name, p in model.named_parameters() if ".layers." in f".{name}"):
+        raise ValueError(f"{type(model).__name__} is a mixture-of-experts model ({experts} experts): ascent quantize "
+                         "exports dense models only")
+
+
 def export_float_model(fm: FloatModel, scheme_name: str, fmt: str, out_dir: str | Path,
                        group_size: int = DEFAULT_GROUP_SIZE, smoothquant: float | None = None,
                        calib_tokens: int = DEFAULT_CALIB_TOKENS, quantize_lm_head: bool = False,
@@ -85,13 +106,16 @@ def export_float_model(fm: FloatModel, scheme_name: str, fmt: str, out_dir: str 
         raise ValueError(f"format={fmt!r} is not one of {FORMATS}")
     if asymmetric:
         check_asymmetric(scheme, fmt)
+    check_output_dir(out_dir)
     model, dtype = fm.model, fm.dtype
+    _check_dense(model)
     names = quantized_linear_names(model, include_lm_head=quantize_lm_head)
     if not [n for n in names if not n.endswith("lm_head")]:
         raise ValueError(f"{type(model).__name__} has no decoder-layer linears to quantize")
     modules = dict(model.named_modules())
     if scheme.grouped:
         check_group_size({n: modules[n].weight for n in names}, group_size)
+    check_packed_width({n: modules[n].weight for n in names}, scheme, fmt)
     stats = None
     if scheme.activations == "static" or smoothquant is not None:
         tokens = corpus_token_ids(fm.tokenizer, calib_tokens)
@@ -134,5 +158,6 @@ def quantize_model(model: str | None, scheme: str, fmt: str, out_dir: str | Path
         raise ValueError(f"format={fmt!r} is not one of {FORMATS}")
     if asymmetric:
         check_asymmetric(checked, fmt)
+    check_output_dir(out_dir)  # before the model loads
     return export_float_model(load_float_model(model, dtype), scheme, fmt, out_dir, group_size, smoothquant,
                               calib_tokens, quantize_lm_head, asymmetric)

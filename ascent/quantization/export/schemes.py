@@ -61,6 +61,18 @@ def check_group_size(weights: dict[str, torch.Tensor], group_size: int) -> None:
                              f"(weight shape [{n}, {k}]); choose a --group-size that divides {k}")
 
 
+def check_packed_width(weights: dict[str, torch.Tensor], scheme: ExportScheme, fmt: str) -> None:
+    """compressed-tensors pack-quantized (weight-only schemes): ValueError naming the first layer whose K does not
+    fill whole int32 words (ascent's loader reads the packed rows as K * bits / 8 contiguous bytes)."""
+    if fmt != "compressed-tensors" or scheme.activations is not None:
+        return
+    per_word = 32 // scheme.weight_bits
+    for name, weight in weights.items():
+        if weight.shape[1] % per_word:
+            raise ValueError(f"{name}: input size K={weight.shape[1]} is not a multiple of {per_word}, which "
+                             f"pack-quantized int{scheme.weight_bits} needs here; use --format modelslim")
+
+
 def check_asymmetric(scheme: ExportScheme, fmt: str) -> None:
     """Asymmetric export: weight-only schemes, ModelSlim layout (its ``weight_offset`` holds float offsets;
     compressed-tensors zero points are integers). ValueError naming the scheme / format otherwise."""

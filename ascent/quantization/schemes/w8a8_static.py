@@ -26,6 +26,7 @@ from ascent.quantization.kernels import (
 from ascent.quantization.registry import register_scheme
 from ascent.quantization.schemes.common import (
     add_param,
+    check_zero_offset,
     common_shard_scalar,
     decode_deq_scale,
     deq_scale_loader,
@@ -67,6 +68,7 @@ class W8A8StaticLinear(QuantLinearScheme):
         add_param(layer, "quant_bias", (n,), torch.int32, weight_loader, output_dim=0, row_parallel_rank0_only=True)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        check_zero_offset(layer, "weight_offset", self.quant_type)  # deq_scale / quant_bias fold no weight offset
         layer.w8a8_w_t = layer.weight.detach().t()
         layer.w8a8_sx = common_shard_scalar(layer, layer.input_scale, "input_scale")
         s_w = layer.weight_scale.detach().float().reshape(-1)
