@@ -205,8 +205,11 @@ class AsyncLLM:
             self._streams[request_id] = (loop, collector)
             return None
         if name == "abort":
-            was_active = self._streams.pop(args[0], None) is not None
-            self.engine.abort_request([args[0]])
+            stream = self._streams.pop(args[0], None)
+            was_active = stream is not None
+            for final in self.engine.abort_request([args[0]]):
+                if stream is not None:  # a consumer still waiting (abort() called by someone else) gets the end
+                    stream[0].call_soon_threadsafe(stream[1].put, final)
             if was_active and self._observers and not self.engine.has_unfinished_requests():
                 # the engine goes idle without another step: publish the drained state (gauges would go stale)
                 self._notify_observers(self.engine.engine_core.make_stats(), None)

@@ -81,6 +81,11 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids contain out-of-vocabulary ids {bad[:8]} (vocab size {mc.vocab_size}).")
         params.verify_vocab(mc.vocab_size)
+        kv = self.engine_core.kv_cache_manager
+        capacity = (kv.num_blocks - 1) * kv.block_size  # block 0 is the null block
+        if n + 1 > capacity:
+            raise ValueError(f"prompt length {n} does not fit the KV cache: it holds {capacity} tokens "
+                             f"({kv.num_blocks - 1} blocks of {kv.block_size}); raise --kv-cache-memory-bytes.")
         for name, asked in (("sample logprobs", params.logprobs), ("prompt logprobs", params.prompt_logprobs)):
             num = mc.vocab_size if asked == -1 else asked
             if num is not None and mc.max_logprobs != -1 and num > mc.max_logprobs:
@@ -105,15 +110,25 @@ class LLMEngine:
         if params.max_tokens is None:
             params.max_tokens = self.config.model_config.max_model_len - len(prompt_ids)
         arrival_time = time.time() if arrival_time is None else arrival_time
-        if params.n == 1:
+        parent = ParentRequest(request_id, params) if params.n > 1 else None
+        self._check_ids_free(request_id, parent)
+        if parent is None:
             self._add_core_request(request_id, prompt_text, prompt_ids, params, arrival_time, priority, None, 0)
             return request_id
-        parent = ParentRequest(request_id, params)
         for index in range(params.n):
             child_id, child_params = parent.get_child_info(index)
             self._add_core_request(child_id, prompt_text, prompt_ids, child_params, arrival_time, priority, parent,
                                    index)
         return request_id
+
+    def _check_ids_free(self, request_id: str, parent: ParentRequest | None) -> None:
+        """ValueError when the id, or a child id of the n > 1 fan-out, names a request in flight (checked before
+        any child is added, so a rejected request leaves nothing behind)."""
+        taken = self.output_processor.request_states.keys() | self.output_processor.parent_requests.keys()
+        ids = [request_id] + ([parent.child_request_id(i) for i in range(parent.n)] if parent else [])
+        clash = [i for i in ids if i in taken]
+        if clash:
+            raise ValueError(f"request id(s) {clash} already in use (adding request_id={request_id!r}).")
 
     def _add_core_request(self, req_id, prompt_text, prompt_ids, params, arrival_time, priority, parent, index):
         self.output_processor.add_request(req_id, prompt_text, prompt_ids, params, arrival_time=arrival_time,
@@ -121,11 +136,15 @@ class LLMEngine:
         request = self.engine_core.make_request(req_id, prompt_ids, params, arrival_time, priority)
         self.engine_core.add_request(request)
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Abort requests (ids or n > 1 parent ids; unknown ids are ignored); returns their final outputs
+        (finish_reason "abort"), which a step will not produce."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        core_ids = self.output_processor.abort_requests(request_ids)
+        finals: list[RequestOutput] = []
+        core_ids = self.output_processor.abort_requests(request_ids, finals)
         self.engine_core.abort_requests(core_ids)
+        return finals
 
     # ------------------------------------------------------------------------------------------------ loop
     def step(self) -> list[RequestOutput]:

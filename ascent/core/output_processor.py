@@ -300,10 +300,11 @@ class OutputProcessor:
                     result.reqs_to_abort.append(out.request_id)
         return result
 
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
+    def abort_requests(self, request_ids: list[str], finals: list[RequestOutput] | None = None) -> list[str]:
         """Stop tracking requests (parent ids expand to their unfinished children); returns the core ids to abort.
 
-        Streaming consumers (requests with a queue) receive a final output with finish_reason "abort".
+        Streaming consumers (requests with a queue) receive a final output with finish_reason "abort"; with
+        ``finals`` the others' final outputs are appended to it (for a caller that routes outputs itself).
         """
         aborted: list[str] = []
         for request_id in request_ids:
@@ -319,6 +320,10 @@ class OutputProcessor:
                 state.detokenizer.finish()
                 if state.queue is not None:
                     self._deliver(state, state.make_request_output("abort", None), None)
+                elif finals is not None:
+                    final = state.make_request_output("abort", None)
+                    if final is not None:
+                        finals.append(final)
                 self._remove(state)
                 aborted.append(child_id)
         return aborted

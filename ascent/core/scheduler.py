@@ -187,11 +187,12 @@ class Scheduler:
                     self._cap_at_kv_capacity(request)
                     break
                 victim = self._pick_victim()
-                if victim in scheduled_running:
+                if victim in scheduled_running:  # (the priority policy can pick a request already scheduled)
                     scheduled_running.remove(victim)
                     budget += num_scheduled.pop(victim.request_id)
                     new_blocks.pop(victim.request_id, None)
                     spec_tokens.pop(victim.request_id, None)
+                    self.kv_cache_manager.uncache_uncomputed(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -258,7 +259,12 @@ class Scheduler:
                 request, n, num_new_computed_tokens=num_hit, new_computed_blocks=hit_blocks,
                 num_lookahead_tokens=self.num_lookahead_tokens)
             if blocks is None:
-                break
+                if self.running or scheduled_new:
+                    break  # blocks come back as running requests finish
+                # nothing else holds a block and it still does not fit: it never will (else it would wait forever)
+                self.waiting.pop()
+                self._cap_at_kv_capacity(request)
+                continue
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -289,7 +295,8 @@ class Scheduler:
     def _cap_at_kv_capacity(self, request: Request) -> None:
         logger.warning("request %s needs more KV blocks than the cache holds (%d tokens); finishing it as 'length'.",
                        request.request_id, request.num_tokens)
-        self.running.remove(request)
+        if request in self.running:
+            self.running.remove(request)
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         self._capped.append(request)
         self._free_request(request)

@@ -141,3 +141,24 @@ def test_duplicate_request_id_rejected():
         assert "x" in str(exc)
     else:
         raise AssertionError("duplicate id accepted")
+
+
+def test_waiting_request_larger_than_the_cache_is_capped_not_waited_on_forever():
+    mgr = KVCacheManager(num_blocks=4, block_size=BS, max_model_len=MAX_LEN, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), CacheConfig(block_size=BS),
+                      MAX_LEN, mgr)
+    big = Request("big", list(range(3, 23)), SamplingParams(max_tokens=4, ignore_eos=True), arrival_time=0.0)
+    small = Request("small", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), arrival_time=1.0)
+    for req in (big, small):
+        sched.add_request(req)
+    runner = FakeRunner(random.Random(0))
+    finished = {}
+    for _ in range(20):
+        if not sched.has_unfinished_requests():
+            break
+        so = sched.schedule()
+        assert "big" not in so.num_scheduled_tokens
+        finished.update({o.request_id: o.finish_reason for o in sched.update_from_output(so, runner.execute(so))
+                         if o.finished})
+    assert finished == {"big": "length", "small": "length"} and small.num_output_tokens == 2
+    assert mgr.num_free_blocks == 3

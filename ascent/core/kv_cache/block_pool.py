@@ -214,6 +214,11 @@ class BlockPool:
             key = make_cache_key(block.block_hash, group_id)
             self._cached.setdefault(key, {})[block.block_id] = block
 
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop ``blocks`` from the prefix map (they stay allocated): their contents will never be computed."""
+        for block in blocks:
+            self._maybe_evict(block)
+
     def _maybe_evict(self, block: KVCacheBlock) -> bool:
         if block.block_hash is None:
             return False

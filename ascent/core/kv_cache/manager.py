@@ -277,6 +277,18 @@ class KVCacheManager:
             )
 
     # --- release ---------------------------------------------------------------------------------------------------
+    def uncache_uncomputed(self, request: Request) -> None:
+        """Take the blocks past the request's computed prefix out of the prefix map. ``allocate_slots`` caches the
+        blocks a step will fill; a request preempted in the step that scheduled it never fills them, and a later
+        prefix hit on them would read garbage."""
+        mgr = self.single_manager
+        blocks = mgr.req_to_blocks.get(request.request_id, [])
+        first = request.num_computed_tokens // self.block_size
+        cached = mgr.num_cached_block.get(request.request_id, 0)
+        if cached > first:
+            self.block_pool.uncache(blocks[first:cached])
+            mgr.num_cached_block[request.request_id] = first
+
     def free(self, request: Request) -> None:
         """Release the request's blocks in reverse order (they stay cached until evicted). Idempotent."""
         self.single_manager.free(request.request_id)
