@@ -140,17 +140,22 @@ class IncrementalDetokenizer:
         if stop_terminated and not self.include_stop_str_in_output:
             new_token_ids, skipped = new_token_ids[:-1], new_token_ids[-1]
         check_from = len(self.text)
+        first_new = len(self.token_ids)
         pieces: list[str] = []
+        ends: list[int] = []  # text length once each new token is decoded
+        end = len(self.text)
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             if self._decoder is not None:
                 pieces.append(self._decoder.step(token_id))
+                end += len(pieces[-1])
+            ends.append(end)
             if self.min_tokens and len(self.token_ids) <= self.min_tokens:
-                check_from = len(self.text) + sum(map(len, pieces))
+                check_from = end
         self.text += "".join(pieces)
         if skipped is not None:
             self.token_ids.append(skipped)
-        return self._check_stop(check_from)
+        return self._check_stop(check_from, first_new, ends)
 
     def finish(self) -> str | None:
         """Mark the request finished: release held-back bytes and stop-string hold-back.
@@ -181,13 +186,20 @@ class IncrementalDetokenizer:
         self._sent_offset = end
         return self.text[start:end]
 
-    def _check_stop(self, check_from: int) -> str | None:
+    def _check_stop(self, check_from: int, first_new: int = 0, ends: list[int] | None = None) -> str | None:
+        """Truncate at the first stop string from ``check_from``. With ``ends`` (the text length after each token
+        from ``first_new``), tokens after the one that completes the stop string are dropped too: a step that
+        produced several tokens (speculative decoding) must not return tokens past the stop."""
         if not self.stop or len(self.token_ids) <= self.min_tokens or check_from >= len(self.text):
             return None
         match = find_stop_string(self.text, check_from, self.stop, self.include_stop_str_in_output)
         if match is None:
             return None
         stop, truncate_to = match
+        if ends:
+            stop_end = truncate_to if self.include_stop_str_in_output else truncate_to + len(stop)
+            last = next((i for i, end in enumerate(ends) if end >= stop_end), len(ends) - 1)
+            del self.token_ids[first_new + last + 1:]
         self.text = self.text[:truncate_to]
         self._finished = True
         return stop

@@ -167,7 +167,8 @@ class RequestState:
         elif stop is not None:
             self.detokenizer.finish()
         if self.logprobs is not None and out.new_logprobs:
-            for entry in out.new_logprobs:
+            room = len(self.detokenizer.output_token_ids) - len(self.logprobs)  # tokens a stop string cut off
+            for entry in out.new_logprobs[: max(room, 0)]:
                 self.logprobs.append(logprobs_to_dict(entry, self.token_text))
                 self.cumulative_logprob += entry.logprobs[0]
         if self.prompt_logprobs is not None and out.new_prompt_logprobs:

@@ -148,6 +148,9 @@ class SpeculativeConfig:
 
     def _resolve_prompt_lookup(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None:  # checked under its own name before one stands in for the other
+                _check_int(name, value, 1)
         if lo is None and hi is None:
             lo = hi = DEFAULT_PROMPT_LOOKUP
         lo = hi if lo is None else lo

@@ -44,6 +44,28 @@ def test_stop_string_across_token_boundaries(tokenizer):
         assert not proc.has_unfinished_requests() and proc.get_num_unfinished_requests() == 0
 
 
+def test_tokens_after_the_stop_in_a_multi_token_step_are_dropped(tokenizer):
+    """A speculative step returns several tokens at once: those after the token that completes the stop string are
+    not part of the output (token ids, logprobs, cumulative logprob)."""
+    from ascent.core.sched_output import EngineCoreOutput, LogprobsEntry
+
+    text = TEXTS[0]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stop = "d! Th"
+    k = tokens_until(tokenizer, ids, stop)
+    for include in (False, True):
+        proc = OutputProcessor(tokenizer)
+        proc.add_request("r", text, [1, 2], SamplingParams(stop=[stop], include_stop_str_in_output=include,
+                                                           logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY))
+        step = ids[: k + 4]  # one step carries the stop and 4 tokens past it
+        entries = [LogprobsEntry([t], [-0.5 - j], 1) for j, t in enumerate(step)]
+        result = proc.process_outputs([EngineCoreOutput("r", step, new_logprobs=entries)])
+        completion = result.request_outputs[0].outputs[0]
+        assert completion.token_ids == ids[:k] and len(completion.logprobs) == k
+        assert completion.cumulative_logprob == pytest.approx(sum(-0.5 - j for j in range(k)))
+        assert completion.finish_reason == "stop"
+
+
 def test_no_abort_when_core_finished_in_same_step(tokenizer):
     text = "Hello world!"
     ids = tokenizer.encode(text, add_special_tokens=False)

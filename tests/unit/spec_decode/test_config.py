@@ -23,6 +23,13 @@ def test_ngram_lookup_defaults_follow_vllm():
     assert c.rejection_sample_method == "standard" and c.dynamic is False
 
 
+@pytest.mark.parametrize("key", ["prompt_lookup_max", "prompt_lookup_min"])
+@pytest.mark.parametrize("value", [0, "4", True])
+def test_a_bad_lookup_bound_is_named_as_given(key, value):
+    with pytest.raises(ValueError, match=key):
+        SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3, key: value})
+
+
 def test_method_inference_and_aliases():
     assert SpeculativeConfig.from_json({"model": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
     assert SpeculativeConfig.from_json({"model": "/m/draft", "num_speculative_tokens": 2}).method == "draft_model"
