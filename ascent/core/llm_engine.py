@@ -38,6 +38,7 @@ class LLMEngine:
         self.last_scheduler_stats: SchedulerStats | None = None
         self.last_iteration_stats: IterationStats | None = None
         self._request_counter = itertools.count()
+        self._generation_defaults: dict[str, Any] | None = None
         self.timings = {"engine_init_s": time.perf_counter() - start, **self.engine_core.timings}
 
     @classmethod
@@ -45,11 +46,14 @@ class LLMEngine:
         return cls(engine_args.create_engine_config())
 
     def generation_defaults(self) -> dict[str, Any]:
-        """SamplingParams keywords from the model's ``generation_config.json`` (vLLM's default sampling params)."""
-        values = get_generation_defaults(self.config.model_config.model)
-        if "max_new_tokens" in values:
-            values["max_tokens"] = values.pop("max_new_tokens")
-        return values
+        """SamplingParams keywords from the model's ``generation_config.json`` (vLLM's default sampling params);
+        read once, a fresh dict per call."""
+        if self._generation_defaults is None:
+            values = get_generation_defaults(self.config.model_config.model)
+            if "max_new_tokens" in values:
+                values["max_tokens"] = values.pop("max_new_tokens")
+            self._generation_defaults = values
+        return dict(self._generation_defaults)
 
     # ------------------------------------------------------------------------------------------------ input
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -91,7 +91,7 @@ class LLM:
 
     def _expand_params(self, sampling_params, num: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [self.get_default_sampling_params() for _ in range(num)]
+            return [self.get_default_sampling_params()] * num
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num
         sampling_params = list(sampling_params)
