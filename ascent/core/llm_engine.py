@@ -128,9 +128,9 @@ class LLMEngine:
     def _check_ids_free(self, request_id: str, parent: ParentRequest | None) -> None:
         """ValueError when the id, or a child id of the n > 1 fan-out, names a request in flight (checked before
         any child is added, so a rejected request leaves nothing behind)."""
-        taken = self.output_processor.request_states.keys() | self.output_processor.parent_requests.keys()
+        op = self.output_processor
         ids = [request_id] + ([parent.child_request_id(i) for i in range(parent.n)] if parent else [])
-        clash = [i for i in ids if i in taken]
+        clash = [i for i in ids if i in op.request_states or i in op.parent_requests]
         if clash:
             raise ValueError(f"request id(s) {clash} already in use (adding request_id={request_id!r}).")
 
