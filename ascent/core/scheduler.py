@@ -193,6 +193,8 @@ class Scheduler:
                     new_blocks.pop(victim.request_id, None)
                     spec_tokens.pop(victim.request_id, None)
                     self.kv_cache_manager.uncache_uncomputed(victim)
+                if self.running.index(victim) < req_index:
+                    req_index -= 1  # the requests after it move up one place
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:

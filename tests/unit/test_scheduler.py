@@ -162,3 +162,28 @@ def test_waiting_request_larger_than_the_cache_is_capped_not_waited_on_forever()
                          if o.finished})
     assert finished == {"big": "length", "small": "length"} and small.num_output_tokens == 2
     assert mgr.num_free_blocks == 3
+
+
+def test_preempting_an_earlier_request_does_not_skip_the_next_one():
+    """Priority policy, running [a, b, c]: b needs a block and the victim is a (earlier in the list, already
+    scheduled this step); c, after b, must still be scheduled in the same step."""
+    mgr = KVCacheManager(num_blocks=7, block_size=BS, max_model_len=MAX_LEN, enable_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, scheduling_policy="priority"),
+                      CacheConfig(block_size=BS), MAX_LEN, mgr)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    runner = FakeRunner(random.Random(0))
+
+    def step():
+        so = sched.schedule()
+        sched.update_from_output(so, runner.execute(so))
+        return so
+
+    sched.add_request(Request("a", list(range(3, 9)), params, arrival_time=0.0, priority=5))  # admitted first
+    step()
+    sched.add_request(Request("b", list(range(3, 11)), params, arrival_time=1.0, priority=0))  # full blocks
+    sched.add_request(Request("c", list(range(3, 10)), params, arrival_time=2.0, priority=0))
+    so = step()
+    assert set(so.num_scheduled_tokens) == {"a", "b", "c"} and mgr.num_free_blocks == 0
+    so = step()  # a fits its next token, b needs a block: a (lowest priority) is preempted
+    assert so.preempted_req_ids == {"a"}
+    assert set(so.num_scheduled_tokens) == {"b", "c"}
