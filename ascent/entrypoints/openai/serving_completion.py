@@ -100,10 +100,12 @@ class OpenAIServingCompletion(OpenAIServing):
         num_generated = 0
         for i, result in enumerate(finals):
             assert result is not None and result.finished
+            prompt_logprobs = (self.prompt_logprobs(result.prompt_logprobs) if request.prompt_logprobs is not None
+                               else None)  # one list per prompt, shared by its n choices
             for out in sorted(result.outputs, key=lambda o: o.index):
                 choice = self._choice(request, result, out, i * request.n + out.index, _Choice())
-                if request.prompt_logprobs is not None:
-                    choice.prompt_logprobs = self.prompt_logprobs(result.prompt_logprobs)
+                if prompt_logprobs is not None:
+                    choice.prompt_logprobs = prompt_logprobs
                 choices.append(choice)
                 num_generated += 0 if request.echo_without_generation else len(out.token_ids)
         num_prompt = sum(len(p.token_ids) for p in prompts)
