@@ -24,6 +24,11 @@ def tiny_qwen3_dir(tmp_path_factory) -> str:
     return str(build_model("qwen3", tmp_path_factory.mktemp("tiny_qwen3"), seed=1))
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> str:
+    return str(build_model("qwen2", tmp_path_factory.mktemp("tiny_qwen2"), seed=2))
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("ASCENT_RUN_SLOW") == "1":
         return

@@ -18,6 +18,7 @@ from torch import nn
 from ascent.layers.cpu_kernels import fused_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES_WITH_ORIGINAL_MAX = ("llama3", "yarn", "longrope")  # types whose dict carries the pretraining length
 
 
 def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
@@ -33,6 +34,11 @@ def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
     partial = getattr(hf_config, "partial_rotary_factor", None)
     if partial is not None:
         params.setdefault("partial_rotary_factor", partial)
+    top_level_original = getattr(hf_config, "original_max_position_embeddings", None)
+    if params["rope_type"] in ROPE_TYPES_WITH_ORIGINAL_MAX and isinstance(top_level_original, int):
+        # A top-level pretraining length (Phi-3-style configs) wins over the rope dict's, as transformers'
+        # standardize_rope_params and vLLM's patch_rope_parameters decide.
+        params["original_max_position_embeddings"] = top_level_original
     return params
 
 

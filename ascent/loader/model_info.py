@@ -169,6 +169,9 @@ def _rope_dicts(config: Any) -> list[dict[str, Any]]:
         return []
     if all(isinstance(v, dict) for v in rope.values()) and rope:
         return list(rope.values())  # per-layer-type parameters
+    top_level_original = getattr(config, "original_max_position_embeddings", None)
+    if isinstance(top_level_original, int):  # wins over the dict's, as in rope_parameters_from_config
+        rope = {**rope, "original_max_position_embeddings": top_level_original}
     return [rope]
 
 

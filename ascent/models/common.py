@@ -71,18 +71,22 @@ class RopeSelfAttention(nn.Module):
     """Fused-QKV self-attention with RoPE; ``qk_norm`` adds per-head RMSNorm on q and k before RoPE (Qwen3)."""
 
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, dtype: torch.dtype, qk_norm: bool = False,
-                 sliding_window: int | None = None, quant_config: Any | None = None, prefix: str = "") -> None:
+                 sliding_window: int | None = None, quant_config: Any | None = None, prefix: str = "",
+                 biases: tuple[bool, bool] | None = None) -> None:
+        """``biases``: (qkv_proj, o_proj) bias flags; None = both ``config.attention_bias`` (Llama, Qwen3)."""
         super().__init__()
         self.head_dim = head_dim_of(config)
         total_heads, total_kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
         total_kv = total_kv or total_heads
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv, bias=bias,
+        if biases is None:
+            biases = (bool(getattr(config, "attention_bias", False)),) * 2
+        qkv_bias, o_bias = biases
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_heads, total_kv, bias=qkv_bias,
                                           params_dtype=dtype, quant_config=quant_config,
                                           prefix=join_prefix(prefix, "qkv_proj"))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=bias, params_dtype=dtype,
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=o_bias, params_dtype=dtype,
                                         quant_config=quant_config, prefix=join_prefix(prefix, "o_proj"))
         self.rotary_emb = rotary_emb
         self.qk_norm = qk_norm
@@ -147,9 +151,10 @@ def dense_mlp(config: Any, dtype: torch.dtype, quant_config: Any | None, prefix:
 
 
 def rope_attention(config: Any, rotary_emb: RotaryEmbedding, layer_idx: int, dtype: torch.dtype, qk_norm: bool,
-                   quant_config: Any | None, prefix: str) -> RopeSelfAttention:
+                   quant_config: Any | None, prefix: str,
+                   biases: tuple[bool, bool] | None = None) -> RopeSelfAttention:
     return RopeSelfAttention(config, rotary_emb, dtype, qk_norm, layer_sliding_window(config, layer_idx),
-                             quant_config, join_prefix(prefix, "self_attn"))
+                             quant_config, join_prefix(prefix, "self_attn"), biases)
 
 
 LayerFactory = Callable[[int, RotaryEmbedding, str], nn.Module]
@@ -218,6 +223,7 @@ class DecoderForCausalLM(nn.Module):
     """
 
     qk_norm: ClassVar[bool] = False
+    attention_biases: ClassVar[tuple[bool, bool] | None] = None  # (qkv, o) bias flags; None: config.attention_bias
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
@@ -238,7 +244,8 @@ class DecoderForCausalLM(nn.Module):
         """The decoder stack; architectures override this to change attention or MLP blocks."""
 
         def make_layer(i: int, rope: RotaryEmbedding, layer_prefix: str) -> DecoderLayer:
-            attn = rope_attention(config, rope, i, dtype, self.qk_norm, quant_config, layer_prefix)
+            attn = rope_attention(config, rope, i, dtype, self.qk_norm, quant_config, layer_prefix,
+                                  self.attention_biases)
             mlp = dense_mlp(config, dtype, quant_config, join_prefix(layer_prefix, "mlp"))
             return DecoderLayer(attn, mlp, config.hidden_size, config.rms_norm_eps, dtype)
 

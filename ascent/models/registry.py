@@ -10,6 +10,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("ascent.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("ascent.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "LlamaForCausalLM": ("ascent.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("ascent.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("ascent.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("ascent.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }

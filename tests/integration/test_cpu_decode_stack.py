@@ -39,7 +39,7 @@ def _run(model_dir: str, monkeypatch, stack: str, prompts: list = PROMPTS, **eng
 
 
 @pytest.mark.parametrize("kind,layer_types", [("llama", None), ("llama", ["sliding_attention", "full_attention"]),
-                                              ("qwen3", None)])
+                                              ("qwen3", None), ("qwen2", None)])
 def test_stack_equals_module_path(tmp_path, monkeypatch, kind, layer_types):
     extra = {"layer_types": layer_types, "sliding_window": 6} if layer_types else {}
     model_dir = str(build_model(kind, tmp_path / kind, seed=3, **extra))

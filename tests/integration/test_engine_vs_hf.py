@@ -1,4 +1,4 @@
-"""Engine end to end against HF transformers on tiny random Llama / Qwen3 directories (fp32)."""
+"""Engine end to end against HF transformers on tiny random Llama / Qwen3 / Qwen2 directories (fp32)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from tests.integration.helpers import hf_greedy, hf_logprobs, random_prompts, to
 MAX_NEW = 24
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def model_dir(request, tiny_llama_dir, tiny_qwen3_dir):
-    return tiny_llama_dir if request.param == "llama" else tiny_qwen3_dir
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2"])
+def model_dir(request, tiny_llama_dir, tiny_qwen3_dir, tiny_qwen2_dir):
+    return {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir, "qwen2": tiny_qwen2_dir}[request.param]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import torch
 from ascent.default_model import default_model_path
 from ascent.loader.gguf import gguf_tensor_name_to_hf, gguf_to_hf_config, iterate_gguf_weights
 from ascent.loader.model_info import derive_max_model_len, get_model_dtype
+from ascent.models.common import head_dim_of
 
 torch.set_num_threads(1)
 
@@ -100,7 +101,7 @@ def _gguf_name(hf_name: str) -> str:
 
 
 def _write_tiny_gguf(kind: str, path: Path) -> tuple[object, dict[str, torch.Tensor]]:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     fields = dict(
         vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -108,7 +109,10 @@ def _write_tiny_gguf(kind: str, path: Path) -> tuple[object, dict[str, torch.Ten
         rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, bos_token_id=1, eos_token_id=2,
         pad_token_id=0, tie_word_embeddings=(kind == "qwen3"),
     )
-    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if kind == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
+    if kind == "qwen2":  # head_dim is hidden_size / num_attention_heads; q/k/v carry biases
+        fields.pop("head_dim")
     config = config_cls(**fields)
     torch.manual_seed(0)
     model = model_cls(config)
@@ -130,7 +134,7 @@ def _write_tiny_gguf(kind: str, path: Path) -> tuple[object, dict[str, torch.Ten
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
     else:
-        writer.add_rope_dimension_count(config.head_dim)
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
     writer.add_rope_freq_base(5000.0)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -166,7 +170,7 @@ def _tolerance(name: str, original: torch.Tensor) -> torch.Tensor | float:
     return 0.0
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2"])
 def test_tiny_gguf_round_trip(kind: str, tmp_path: Path) -> None:
     config, state = _write_tiny_gguf(kind, tmp_path / f"{kind}.gguf")
     loaded = dict(iterate_gguf_weights(str(tmp_path / f"{kind}.gguf")))
@@ -184,7 +188,7 @@ def test_tiny_gguf_round_trip(kind: str, tmp_path: Path) -> None:
         assert (loaded[q0] - state[q0]).abs().max() < (permuted - state[q0]).abs().max() / 10
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2"])
 def test_tiny_gguf_config(kind: str, tmp_path: Path) -> None:
     config, _ = _write_tiny_gguf(kind, tmp_path / f"{kind}.gguf")
     ours = gguf_to_hf_config(str(tmp_path / f"{kind}.gguf"))
@@ -192,10 +196,11 @@ def test_tiny_gguf_config(kind: str, tmp_path: Path) -> None:
     assert ours.architectures == [type(config).__name__.replace("Config", "ForCausalLM")]
     for field in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
+        "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings",
         "bos_token_id", "eos_token_id", "pad_token_id",
     ):
         assert getattr(ours, field) == getattr(config, field), field
+    assert head_dim_of(ours) == head_dim_of(config) == 16
     assert math.isclose(ours.rms_norm_eps, config.rms_norm_eps, rel_tol=1e-6)
     assert ours.rope_parameters["rope_theta"] == 5000.0
 

@@ -7,6 +7,9 @@ order, padding rows (slot -1). Every logit row is compared with HF's logits at t
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -120,14 +123,17 @@ def run_and_compare(model_dir: str, dtype: torch.dtype, rel_tol: float, abs_tol:
     assert checked == lengths
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_fp32_matches_hf(kind: str, tiny_llama_dir: str, tiny_qwen3_dir: str) -> None:
-    run_and_compare(tiny_llama_dir if kind == "llama" else tiny_qwen3_dir, torch.float32, 1e-4, 1e-5)
+@pytest.fixture(params=["llama", "qwen3", "qwen2"])
+def tiny_dir(request, tiny_llama_dir: str, tiny_qwen3_dir: str, tiny_qwen2_dir: str) -> str:
+    return {"llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir, "qwen2": tiny_qwen2_dir}[request.param]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_bf16_matches_hf(kind: str, tiny_llama_dir: str, tiny_qwen3_dir: str) -> None:
-    run_and_compare(tiny_llama_dir if kind == "llama" else tiny_qwen3_dir, torch.bfloat16, 2e-2, 0.0)
+def test_fp32_matches_hf(tiny_dir: str) -> None:
+    run_and_compare(tiny_dir, torch.float32, 1e-4, 1e-5)
+
+
+def test_bf16_matches_hf(tiny_dir: str) -> None:
+    run_and_compare(tiny_dir, torch.bfloat16, 2e-2, 0.0)
 
 
 VARIANTS = {
@@ -140,6 +146,8 @@ VARIANTS = {
                                                           original_max_position_embeddings=64))),
     "qwen3-tied-embeddings": ("qwen3", dict(tie_word_embeddings=True)),
     "qwen3-sliding-window": ("qwen3", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "qwen2-sliding-window-tied": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1,
+                                                tie_word_embeddings=True)),
 }
 
 
@@ -153,6 +161,27 @@ def test_config_variants_fp32(variant: str, tmp_path_factory: pytest.TempPathFac
 
         assert config.tie_word_embeddings
         assert not any(name.startswith("lm_head") for name, _ in iterate_safetensors_weights(model_dir))
-    if variant == "qwen3-sliding-window":
+    if variant in ("qwen3-sliding-window", "qwen2-sliding-window-tied"):
         assert config.layer_types == ["full_attention", "sliding_attention"]
     run_and_compare(model_dir, torch.float32, 1e-4, 1e-5)
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    {"type": "yarn", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+])
+def test_top_level_original_max_position_embeddings(rope_scaling: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A Phi-3-style config keeps the pretraining length at the top level, beside a legacy ``rope_scaling``;
+    transformers (standardize_rope_params) and vLLM use it over the default the rope dict gets at config load."""
+    from ascent.loader.model_info import derive_max_model_len
+
+    model_dir = build_model("qwen3", tmp_path_factory.mktemp("top-level-original-max"), seed=3)
+    config_path = Path(model_dir) / "config.json"
+    fields = json.loads(config_path.read_text())
+    fields.pop("rope_parameters", None)
+    fields.update(rope_scaling=rope_scaling, rope_theta=10000.0, max_position_embeddings=64,
+                  original_max_position_embeddings=16)
+    config_path.write_text(json.dumps(fields))
+    if rope_scaling.get("type") == "yarn":  # vLLM: a yarn model's length is the original one times the factor
+        assert derive_max_model_len(AutoConfig.from_pretrained(model_dir), None) == 64
+    run_and_compare(str(model_dir), torch.float32, 1e-4, 1e-5)
