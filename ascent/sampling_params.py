@@ -118,6 +118,8 @@ class SamplingParams:
             raise bad("seed", self.seed, f"must be an integer in [{_SEED_MIN}, {_SEED_MAX}]")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", self.stop, "must contain only non-empty strings")
+        if self.stop and not self.detokenize:
+            raise bad("stop", self.stop, "needs detokenize=True (stop strings are matched on the text)")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
         if self.allowed_token_ids is not None:

@@ -3,7 +3,10 @@
 Decoding uses the prefix/read-offset algorithm over token ids: the text of a sliding window ``ids[prefix:]`` is
 decoded and only the part past ``decode(ids[prefix:read])`` is emitted, and only once it no longer ends in U+FFFD
 (an incomplete UTF-8 sequence). Windows start on character boundaries, so the concatenated pieces equal
-``tokenizer.decode(all_ids)``. For HF fast tokenizers the Rust ``tokenizers.Tokenizer`` decodes directly.
+``tokenizer.decode(all_ids)`` except that, as in vLLM, an incomplete character at the end is never emitted (not even
+when the request finishes). The first window starts inside the prompt (a suffix of 4-23 prompt tokens that decodes
+cleanly, vLLM's rule), so a SentencePiece tokenizer keeps the space of the first output word. For HF fast tokenizers
+the Rust ``tokenizers.Tokenizer`` decodes directly.
 """
 
 from __future__ import annotations
@@ -46,15 +49,28 @@ def make_decode_fn(tokenizer: Any, skip_special_tokens: bool, spaces_between_spe
     )
 
 
-class _WindowDecoder:
-    """Prefix/read-offset incremental decoder over a growing list of token ids."""
+def prompt_context(prompt_token_ids: list[int], decode: DecodeFn) -> list[int]:
+    """The prompt tokens the first decoding window starts with (vLLM's choice): for prompts longer than 4 tokens
+    the shortest suffix of 4 to 23 tokens whose text has no U+FFFD, else the whole prompt."""
+    if len(prompt_token_ids) <= 4:
+        return list(prompt_token_ids)
+    for length in range(4, min(len(prompt_token_ids), 23) + 1):
+        suffix = prompt_token_ids[-length:]
+        if _REPLACEMENT_CHAR not in decode(suffix):
+            return list(suffix)
+    return list(prompt_token_ids)
 
-    def __init__(self, decode: DecodeFn) -> None:
+
+class _WindowDecoder:
+    """Prefix/read-offset incremental decoder over a growing list of token ids; ``context`` (prompt tokens) only
+    conditions the text of the first output tokens and is never emitted."""
+
+    def __init__(self, decode: DecodeFn, context: list[int] | None = None) -> None:
         self._decode = decode
-        self._ids: list[int] = []
+        self._ids: list[int] = list(context or [])
         self._prefix = 0
-        self._read = 0
-        self._prefix_len = 0  # len(decode(ids[prefix:read]))
+        self._read = len(self._ids)
+        self._prefix_len = len(decode(self._ids)) if self._ids else 0  # len(decode(ids[prefix:read]))
 
     def step(self, token_id: int) -> str:
         """Add one token; return the newly completed text ("" while a character is still incomplete)."""
@@ -67,29 +83,22 @@ class _WindowDecoder:
         self._prefix_len = len(self._decode(self._ids[self._prefix : self._read]))
         return new_text
 
-    def flush(self) -> str:
-        """Text of tokens still held back (an incomplete character at the end decodes to U+FFFD, as in decode)."""
-        if self._read == len(self._ids):
-            return ""
-        text = self._decode(self._ids[self._prefix :])
-        self._read = len(self._ids)
-        return text[self._prefix_len :]
-
 
 def find_stop_string(text: str, check_from: int, stops: list[str], include: bool) -> tuple[str, int] | None:
-    """Earliest stop string that ends at or after ``check_from`` in ``text``.
+    """The stop string whose first occurrence ending after ``check_from`` ends earliest in ``text``; a tie goes to
+    the one listed first (vLLM's ``check_stop_strings``).
 
     Returns ``(stop, truncate_to)``: ``text[:truncate_to]`` is what remains (stop kept when ``include``).
     """
-    best: tuple[int, str] | None = None
+    best: tuple[int, int, str] | None = None  # (end, start, stop)
     for stop in stops:
         idx = text.find(stop, max(0, check_from - len(stop) + 1))
-        if idx != -1 and (best is None or idx < best[0]):
-            best = (idx, stop)
+        if idx != -1 and (best is None or idx + len(stop) < best[0]):
+            best = (idx + len(stop), idx, stop)
     if best is None:
         return None
-    idx, stop = best
-    return stop, idx + len(stop) if include else idx
+    end, idx, stop = best
+    return stop, end if include else idx
 
 
 class IncrementalDetokenizer:
@@ -98,7 +107,7 @@ class IncrementalDetokenizer:
     Without a tokenizer, or with ``params.detokenize`` False, only token ids are tracked and the text stays "".
     """
 
-    def __init__(self, tokenizer: Any | None, params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Any | None, params: SamplingParams, prompt_token_ids: list[int] | None = None) -> None:
         self.token_ids: list[int] = []
         self.text = ""
         self.stop: list[str] = list(params.stop or [])
@@ -110,7 +119,7 @@ class IncrementalDetokenizer:
         self._decoder: _WindowDecoder | None = None
         if decode_text:
             decode = make_decode_fn(tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
-            self._decoder = _WindowDecoder(decode)
+            self._decoder = _WindowDecoder(decode, prompt_context(prompt_token_ids or [], decode))
         hold = self.stop and not self.include_stop_str_in_output
         self._stop_buffer_length = max(len(s) for s in self.stop) - 1 if hold else 0
         self._sent_offset = 0
@@ -157,19 +166,10 @@ class IncrementalDetokenizer:
             self.token_ids.append(skipped)
         return self._check_stop(check_from, first_new, ends)
 
-    def finish(self) -> str | None:
-        """Mark the request finished: release held-back bytes and stop-string hold-back.
-
-        Returns a stop string if the released text completes one (the text is truncated as in ``update``).
-        """
-        if self._finished:
-            return None
+    def finish(self) -> None:
+        """Mark the request finished: the stop-string hold-back is released. Bytes of an incomplete character at
+        the end stay out of the text (vLLM emits no U+FFFD for them)."""
         self._finished = True
-        if self._decoder is None:
-            return None
-        check_from = len(self.text)
-        self.text += self._decoder.flush()
-        return self._check_stop(check_from)
 
     def output_text(self, delta: bool) -> str:
         """All text so far (``delta=False``) or the text not returned by an earlier delta call.

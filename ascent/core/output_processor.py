@@ -162,9 +162,7 @@ class RequestState:
     def update(self, out: EngineCoreOutput) -> str | None:
         """Apply one core output: text, logprobs, prompt logprobs. Returns a matched stop string or None."""
         stop = self.detokenizer.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
-        if stop is None and out.finished:
-            stop = self.detokenizer.finish()
-        elif stop is not None:
+        if stop is not None or out.finished:
             self.detokenizer.finish()
         if self.logprobs is not None and out.new_logprobs:
             room = len(self.detokenizer.output_token_ids) - len(self.logprobs)  # tokens a stop string cut off
@@ -261,9 +259,10 @@ class OutputProcessor:
             raise ValueError(f"request id {request_id!r} is already in use.")
         if parent is None and params.n != 1:
             raise ValueError(f"n={params.n} needs a ParentRequest fan-out; add each child with n=1.")
+        if parent is not None and request_id != parent.child_request_id(index):
+            raise ValueError(f"request id {request_id!r} is not child {index} of {parent.request_id!r}.")
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids)  # may raise: before any state
         if parent is not None:
-            if request_id != parent.child_request_id(index):
-                raise ValueError(f"request id {request_id!r} is not child {index} of {parent.request_id!r}.")
             parent.child_requests.add(request_id)
             self.parent_requests[parent.request_id] = parent
         with_text = self.tokenizer is not None and params.detokenize
@@ -272,7 +271,7 @@ class OutputProcessor:
             prompt=prompt,
             prompt_token_ids=prompt_token_ids,
             params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params),
+            detokenizer=detokenizer,
             token_text=self._token_text if with_text else None,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             parent=parent,

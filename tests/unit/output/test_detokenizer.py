@@ -21,6 +21,14 @@ NO_FFFD_TEXT = st.text(
 )
 
 
+def final_text(tokenizer, ids: list[int], skip: bool) -> str:
+    """vLLM's final text: ``decode`` of the longest prefix of ``ids`` whose text does not end in an incomplete
+    character (U+FFFD); bytes of a character the output never completes are not emitted."""
+    complete = max(k for k in range(len(ids) + 1) if not tokenizer.decode(ids[:k], skip_special_tokens=skip)
+                   .endswith("\ufffd"))
+    return tokenizer.decode(ids[:complete], skip_special_tokens=skip)
+
+
 def stream(det: IncrementalDetokenizer, ids: list[int], chunk_sizes: list[int] | None = None) -> list[str]:
     """Feed ``ids`` in chunks (default one token each), finish, and return every DELTA text."""
     deltas, pos, sizes = [], 0, list(chunk_sizes or [])
@@ -42,7 +50,7 @@ def test_random_token_streams_match_decode(tokenizer, skip, data):
     chunks = data.draw(st.lists(st.integers(1, 5), max_size=40))
     det = IncrementalDetokenizer(tokenizer, SamplingParams(skip_special_tokens=skip))
     deltas = stream(det, ids, chunks)
-    reference = tokenizer.decode(ids, skip_special_tokens=skip)
+    reference = final_text(tokenizer, ids, skip)
     assert "".join(deltas) == reference
     assert det.output_text(delta=False) == reference
     assert det.output_token_ids == ids
@@ -92,7 +100,7 @@ def test_generic_decode_path_matches(tokenizer, skip):
     slow = _DecodeOnlyTokenizer(tokenizer)
     ids = tokenizer.encode(" ".join(UNICODE_TEXTS), add_special_tokens=False) + [tokenizer.eos_token_id, 5, 7]
     det = IncrementalDetokenizer(slow, SamplingParams(skip_special_tokens=skip))
-    assert "".join(stream(det, ids)) == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert "".join(stream(det, ids)) == final_text(tokenizer, ids, skip)
     assert slow.calls >= len(ids)
 
 
@@ -154,3 +162,33 @@ def test_find_stop_string_earliest_and_overlap():
     assert find_stop_string("abcdef", 4, ["cde"], include=True) == ("cde", 5)
     assert find_stop_string("abcdef", 5, ["bc"], include=False) is None
     assert find_stop_string("xxabcd", 3, ["cd", "ab"], include=False) == ("ab", 2)
+
+
+def test_incomplete_last_character_is_never_emitted(tokenizer):
+    """A request that ends (length / abort) inside a multi-byte character: vLLM emits no U+FFFD for the held
+    bytes, and a stop string cannot match inside them."""
+    ids = tokenizer.encode("ok 😀", add_special_tokens=False)
+    cut = next(k for k in range(len(ids), 0, -1) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    held = ids[:cut]
+    assert tokenizer.decode(held).endswith("\ufffd")
+    for stop in ([], ["\ufffd"]):
+        det = IncrementalDetokenizer(tokenizer, SamplingParams(stop=stop))
+        assert det.update(held, stop_terminated=False) is None
+        det.finish()
+        text = det.output_text(delta=False)
+        assert "\ufffd" not in text and text == final_text(tokenizer, held, True)
+        assert text.startswith("ok") and det.output_token_ids == held
+
+
+def test_first_output_word_keeps_its_space_after_the_prompt(sentencepiece_style_tokenizer):
+    """The prompt conditions the first window (vLLM primes its decode stream with a prompt suffix): a
+    SentencePiece decoder strips the leading space of a sequence's first word, but not of the first output word."""
+    tok = sentencepiece_style_tokenizer
+    prompt = tok.encode("The quick brown fox", add_special_tokens=False)
+    out = tok.encode("The lazy dog", add_special_tokens=False)
+    det = IncrementalDetokenizer(tok, SamplingParams(), prompt)
+    deltas = stream(det, out)
+    expected = tok.decode(prompt + out)[len(tok.decode(prompt)):]
+    assert expected.startswith(" The") and "".join(deltas) == expected
+    alone = IncrementalDetokenizer(tok, SamplingParams())  # no prompt: decode(out) as it stands
+    assert "".join(stream(alone, out)) == tok.decode(out) == "The lazy dog"

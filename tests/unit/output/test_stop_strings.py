@@ -152,10 +152,26 @@ def test_delta_holds_back_possible_stop_prefix(tokenizer):
     assert emitted == text and outputs[-1].outputs[0].finish_reason == "length"
 
 
+def test_stop_string_completing_first_wins_ties_by_list_order(tokenizer):
+    """vLLM's check_stop_strings: the stop string that ends first in the new text; equal ends go to list order."""
+    text = TEXTS[0]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for stops, winner in ((["is a", "This"], "This"), (["his", "This"], "his"), (["This", "his"], "This")):
+        proc = OutputProcessor(tokenizer)
+        proc.add_request("r", None, [1], SamplingParams(stop=stops))
+        outputs, _ = drive(proc, "r", ids, sizes=[len(ids)])
+        assert outputs[-1].outputs[0].stop_reason == winner
+        assert outputs[-1].outputs[0].text == text[: text.index(winner)]
+
+
 def test_stop_strings_require_detokenize(tokenizer):
+    with pytest.raises(ValueError, match="detokenize"):  # at construction, as vLLM's SamplingParams
+        SamplingParams(stop=["a"], detokenize=False)
+    params = SamplingParams(detokenize=False)
+    params.stop = ["a"]  # set after validation: the output processor still refuses it, leaving nothing behind
     proc = OutputProcessor(tokenizer)
     with pytest.raises(ValueError, match="stop"):
-        proc.add_request("r", None, [1], SamplingParams(stop=["a"], detokenize=False))
+        proc.add_request("r", None, [1], params)
     assert not proc.has_unfinished_requests()
 
 
