@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import numbers
 import re
 import types
 import typing
@@ -24,17 +25,48 @@ from ascent.config import (
     SchedulerConfig,
 )
 
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_DECIMAL_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(value: str | int, name: str = "value") -> int:
+    """An integer such as ``4096``, ``25.6k`` (lowercase suffix: powers of 1000), ``16K`` / ``16Ki`` / ``2GiB``
+    (uppercase suffix: powers of 1024, whole numbers only) -- vLLM's ``human_readable_int`` plus IEC spellings.
+    ValueError naming ``name`` and the value otherwise."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtKMGT]?)(i?B|i)?\s*", value) if isinstance(value, str) else None
+    if m is None:
+        raise ValueError(f"{name}={value!r} is invalid: expected an integer such as 4096, 25.6k, 16K or 2GiB.")
+    number, suffix, iec = m.groups()
+    if iec and suffix.upper() in _BINARY_SUFFIXES:
+        suffix = suffix.upper()  # 2GiB, 512Mi, 4kiB: binary whatever the case
+    if suffix in _BINARY_SUFFIXES:
+        if "." in number:
+            raise ValueError(f"{name}={value!r} is invalid: decimals need a decimal suffix "
+                             f"({number}{suffix.lower()}), not the binary {suffix}.")
+        return int(number) * _BINARY_SUFFIXES[suffix]
+    if "." in number and not suffix:
+        raise ValueError(f"{name}={value!r} is invalid: expected a whole number.")
+    return int(float(number) * _DECIMAL_SUFFIXES[suffix])
 
 
 def parse_size(value: str | int) -> int:
-    """Parse a byte count such as ``1073741824``, ``512M``, ``2GiB`` or ``1.5g``."""
-    if isinstance(value, int):
-        return value
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(value).lower())
-    if not m:
-        raise ValueError(f"kv_cache_memory_bytes={value!r} is not a byte size (e.g. 536870912, 512M, 2GiB).")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+    """``--kv-cache-memory-bytes``: a byte count in ``human_readable_int`` form (536870912, 512M, 2GiB, 1.5g)."""
+    return human_readable_int(value, "kv_cache_memory_bytes")
+
+
+def cli_int_arg(name: str) -> Any:
+    """An argparse ``type`` parsing ``human_readable_int`` and reporting its message."""
+
+    def parse(value: str) -> int:
+        try:
+            return human_readable_int(value, name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    parse.__name__ = name
+    return parse
 
 
 def _opt(help: str, choices: tuple[str, ...] | None = None, short: str | None = None, parse: Any = None) -> Any:
@@ -50,7 +82,8 @@ class EngineArgs:
     tokenizer: str | None = field(default=None, metadata=_opt("tokenizer directory (default: the model's)"))
     dtype: str = field(default="auto", metadata=_opt(
         "weight/activation dtype", ("auto", "float32", "float", "fp32", "bfloat16", "bf16", "float16", "half", "fp16")))
-    max_model_len: int | None = field(default=None, metadata=_opt("maximum context length (prompt + output)"))
+    max_model_len: int | None = field(default=None, metadata=_opt(
+        "maximum context length (prompt + output); accepts 4096, 32k, 32K", parse=cli_int_arg("max_model_len")))
     seed: int = field(default=0, metadata=_opt("engine random seed"))
     max_logprobs: int = field(default=20, metadata=_opt(
         "most logprobs / prompt_logprobs per token a request may ask for (-1 = the whole vocabulary)"))
@@ -58,10 +91,12 @@ class EngineArgs:
         "KV cache block size in tokens (default 16, or the profile's kernel block size)"))
     enable_prefix_caching: bool = field(default=True, metadata=_opt("reuse KV blocks of identical prefixes"))
     kv_cache_memory_bytes: int | None = field(default=None, metadata=_opt(
-        "bytes for the KV cache (accepts 512M, 2GiB); default 25% of available memory", parse=parse_size))
+        "bytes for the KV cache (accepts 512M, 2GiB, 1.5g); default 25% of available memory",
+        parse=cli_int_arg("kv_cache_memory_bytes")))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_opt("exact number of KV blocks"))
     max_num_seqs: int = field(default=256, metadata=_opt("maximum concurrently running sequences"))
-    max_num_batched_tokens: int | None = field(default=None, metadata=_opt("token budget of one engine step"))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_opt(
+        "token budget of one engine step (accepts 8192, 8k, 8K)", parse=cli_int_arg("max_num_batched_tokens")))
     enable_chunked_prefill: bool = field(default=True, metadata=_opt("split long prefills across steps"))
     long_prefill_token_threshold: int = field(default=0, metadata=_opt("cap on one request's chunk (0 = off)"))
     scheduling_policy: str = field(default="fcfs", metadata=_opt("admission order", SCHEDULING_POLICIES))
@@ -78,7 +113,8 @@ class EngineArgs:
         "speculative decoding JSON with vLLM's keys, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'"))
     hardware_profile: str = field(default="auto", metadata=_opt("hardware family profile", HARDWARE_PROFILES))
     num_threads: int | None = field(default=None, metadata=_opt("torch intra-op threads (default: torch's)"))
-    enforce_eager: bool = field(default=True, metadata=_opt("run eagerly (no graph capture / compile)"))
+    enforce_eager: bool = field(default=True, metadata=_opt(
+        "accepted for vLLM compatibility: ascent has no graph capture and always runs eagerly"))
     disable_log_stats: bool = field(default=False, metadata=_opt("disable the periodic stats log line"))
 
     @classmethod
@@ -110,8 +146,10 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     def __post_init__(self) -> None:
-        if self.kv_cache_memory_bytes is not None:
-            self.kv_cache_memory_bytes = parse_size(self.kv_cache_memory_bytes)
+        for name in _HUMAN_READABLE_INTS:
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, human_readable_int(getattr(self, name), name))
+        _check_field_types(self)
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model files and build a validated EngineConfig (reads config metadata, not weights)."""
@@ -195,6 +233,43 @@ def _parse_eplb_config(value: Any) -> Any:
     from ascent.eplb.config import EplbConfig
 
     return value if isinstance(value, EplbConfig) else EplbConfig.from_json(value)
+
+
+# Fields given as human-readable strings from Python too ("32k", "2GiB").
+_HUMAN_READABLE_INTS = ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes")
+# Options vLLM declares Optional, where None selects the default.
+_NONE_MEANS_DEFAULT = ("max_num_seqs", "enable_chunked_prefill", "enable_prefix_caching")
+
+
+def _check_field_types(args: EngineArgs) -> None:
+    """A ValueError naming the option for a value of the wrong type (``max_num_seqs="4"``, ``num_threads=2.5``,
+    ``enable_prefix_caching="no"``), instead of a TypeError deep inside; JSON-config options are parsed later."""
+    hints = typing.get_type_hints(type(args))
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if value is None and f.name in _NONE_MEANS_DEFAULT:
+            setattr(args, f.name, f.default)
+            continue
+        allowed = _allowed_types(hints[f.name])
+        if dict in allowed or (value is None and type(None) in allowed):
+            continue
+        if bool in allowed:
+            ok = isinstance(value, bool)
+        elif int in allowed:
+            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            if ok:
+                setattr(args, f.name, int(value))
+        else:
+            ok = isinstance(value, tuple(t for t in allowed if t is not type(None)))
+        if not ok:
+            kind = "a boolean" if bool in allowed else "an integer" if int in allowed else "a string"
+            raise ValueError(f"{f.name}={value!r} is invalid: must be {kind}.")
+
+
+def _allowed_types(hint: Any) -> tuple[type, ...]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return typing.get_args(hint)
+    return (hint,)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

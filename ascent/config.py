@@ -176,6 +176,10 @@ class EngineConfig:
         if sc.max_num_batched_tokens is None:
             sc.max_num_batched_tokens = max(2048, sc.max_num_seqs) if sc.enable_chunked_prefill else max(
                 mc.max_model_len, 2048)
+        if sc.max_num_batched_tokens < sc.max_num_seqs:  # vLLM's SchedulerConfig check
+            raise ValueError(
+                f"max_num_batched_tokens={sc.max_num_batched_tokens} must be at least max_num_seqs="
+                f"{sc.max_num_seqs}: lower max_num_seqs or raise max_num_batched_tokens.")
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < mc.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={sc.max_num_batched_tokens} is smaller than max_model_len="

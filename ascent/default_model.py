@@ -44,7 +44,7 @@ def locate_packaged_model(package: str, filename: str, install_hint: str) -> str
     )
 
 
-def resolve_model_path(model: str | None) -> str:
+def resolve_model_path(model: str | None, what: str = "model") -> str:
     """Map a ``--model`` value to a local path.
 
     ``None`` or ``DEFAULT_MODEL_NAME`` -> the default GGUF path; an existing directory or ``.gguf`` file -> itself;
@@ -53,14 +53,14 @@ def resolve_model_path(model: str | None) -> str:
     if model is None or model == DEFAULT_MODEL_NAME:
         return default_model_path()
     if not isinstance(model, str) or not model:
-        raise ValueError(f"model must be a local directory, a .gguf file or {DEFAULT_MODEL_NAME!r}, got {model!r}")
+        raise ValueError(f"{what} must be a local directory, a .gguf file or {DEFAULT_MODEL_NAME!r}, got {model!r}")
     expanded = os.path.expanduser(model)
     if os.path.isdir(expanded):
         return expanded
     if os.path.isfile(expanded) and expanded.lower().endswith(".gguf"):
         return expanded
     raise ValueError(
-        f"model {model!r} is neither a local model directory, a .gguf file, nor {DEFAULT_MODEL_NAME!r} "
+        f"{what} {model!r} is neither a local model directory, a .gguf file, nor {DEFAULT_MODEL_NAME!r} "
         "(hub downloads are not supported)"
     )
 

@@ -33,7 +33,7 @@ def get_tokenizer(model_path: str, tokenizer: str | None = None, chat_template: 
     directories load with ``AutoTokenizer`` (local files only), GGUF files are built from their metadata.
     ``chat_template`` (file path or template string) replaces the model's own template.
     """
-    source = resolve_model_path(tokenizer if tokenizer is not None else model_path)
+    source = resolve_model_path(model_path) if tokenizer is None else resolve_model_path(tokenizer, "tokenizer")
     if is_gguf_path(source):
         from ascent.loader.gguf import gguf_tokenizer
 

@@ -14,12 +14,10 @@ def positive_int(text: str) -> int:
 
 
 def size_arg(text: str) -> int:
-    from ascent.args import parse_size
+    """``--kv-cache-memory-bytes`` (512M, 2GiB, 1.5g), with the engine's parsing and message."""
+    from ascent.args import cli_int_arg
 
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return cli_int_arg("kv_cache_memory_bytes")(text)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -61,9 +61,12 @@ class Worker:
             raise ValueError(
                 f"kv_cache_memory_bytes={budget} holds fewer than 2 KV blocks of {per_block} bytes "
                 f"(block_size={cc.block_size}); raise it.")
-        if num_blocks - 1 < blocks_per_seq:
-            logger.warning("KV cache (%d blocks) cannot hold one max_model_len=%d sequence; long requests will be "
-                           "preempted or rejected.", num_blocks - 1, mc.max_model_len)
+        if num_blocks - 1 < blocks_per_seq:  # vLLM's check_enough_kv_cache_memory (an override is not checked)
+            raise ValueError(
+                f"a KV cache of {budget} bytes holds {(num_blocks - 1) * cc.block_size} tokens, fewer than one "
+                f"request of max_model_len={mc.max_model_len}: raise kv_cache_memory_bytes to at least "
+                f"{(blocks_per_seq + 1) * per_block} or lower max_model_len to at most "
+                f"{(num_blocks - 1) * cc.block_size}.")
         return int(num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

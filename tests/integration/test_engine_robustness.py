@@ -25,7 +25,8 @@ def test_priority_preemption_of_a_scheduled_request_keeps_prefix_cache_clean(tin
     low = [(11 * j) % 450 + 3 for j in range(100)]
     expected = _llm(tiny_llama_dir).generate({"prompt_token_ids": low}, _greedy(8), use_tqdm=False)[0]
     llm = _llm(tiny_llama_dir, num_gpu_blocks_override=9, block_size=16, enable_prefix_caching=True,
-               scheduling_policy="priority", max_num_batched_tokens=64, long_prefill_token_threshold=32)
+               scheduling_policy="priority", max_num_batched_tokens=64, max_num_seqs=64,
+               long_prefill_token_threshold=32)
     engine = llm.llm_engine
     engine.add_request("low", {"prompt_token_ids": low}, _greedy(8), priority=5)  # admitted first
     engine.step()

@@ -34,7 +34,7 @@ def test_extracted_hidden_states_match_transformers(request, model_fixture):
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}}}
     llm = LLM(model=model_dir, speculative_config=spec, dtype="float32", max_model_len=128, disable_log_stats=True,
-              max_num_batched_tokens=16)  # the 30-token prompt is prefilled in chunks
+              max_num_batched_tokens=16, max_num_seqs=16)  # the 30-token prompt is prefilled in chunks
     prompts = random_prompts(3, 512, 5, 30, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -246,5 +246,5 @@ def test_prefix_caching_on_equals_off(deepseek_dir: str, reference_run) -> None:
 
 def test_chunked_prefill_equals_unchunked(deepseek_dir: str, reference_run) -> None:
     prompts, expected = reference_run
-    llm = _llm(deepseek_dir, max_num_batched_tokens=7, enable_prefix_caching=True)
+    llm = _llm(deepseek_dir, max_num_batched_tokens=7, max_num_seqs=7, enable_prefix_caching=True)
     assert token_ids(_run(llm, prompts)) == expected

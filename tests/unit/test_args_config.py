@@ -48,15 +48,56 @@ def test_profile_drives_dtype_and_block_size(tiny_llama_dir):
             EngineArgs(model=tiny_llama_dir, hardware_profile="cuda").create_engine_config()
 
 
-@pytest.mark.parametrize("text,expected", [("1024", 1024), ("2GiB", 2 << 30), ("1.5g", int(1.5 * (1 << 30))),
-                                           ("64k", 64 << 10)])
+@pytest.mark.parametrize("text,expected", [("1024", 1024), ("2GiB", 2 << 30), ("1.5g", 1_500_000_000),
+                                           ("64k", 64_000), ("64K", 64 << 10), ("25.6k", 25_600), ("512Mi", 512 << 20),
+                                           ("4kiB", 4 << 10)])
 def test_parse_size(text, expected):
+    """vLLM's human_readable_int: lowercase suffixes are powers of 1000, uppercase (and IEC) powers of 1024."""
     assert parse_size(text) == expected
 
 
-def test_parse_size_rejects_garbage():
-    with pytest.raises(ValueError, match="lots"):
-        parse_size("lots")
+@pytest.mark.parametrize("text", ["lots", "1.5G", "1.5", "-3", ""])
+def test_parse_size_rejects_garbage(text):
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        parse_size(text)
+
+
+def test_cli_accepts_human_readable_ints_and_reports_bad_ones(capsys):
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--max-model-len", "1k", "--max-num-batched-tokens", "2K", "--kv-cache-memory-bytes", "2GiB"]))
+    assert (args.max_model_len, args.max_num_batched_tokens, args.kv_cache_memory_bytes) == (1000, 2048, 2 << 30)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-memory-bytes", "1x"])
+    assert "kv_cache_memory_bytes='1x' is invalid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("max_num_seqs", "4", "integer"), ("num_threads", 2.5, "integer"), ("max_num_batched_tokens", [8], "integer"),
+    ("enable_prefix_caching", "no", "boolean"), ("long_prefill_token_threshold", True, "integer"),
+    ("dtype", 16, "string"),
+])
+def test_engine_args_of_the_wrong_type_name_the_field(field, value, why):
+    with pytest.raises(ValueError, match=f"{field}=.*must be {'an' if why == 'integer' else 'a'} {why}"):
+        EngineArgs(**{field: value})
+
+
+def test_none_selects_the_default_where_vllm_allows_it():
+    args = EngineArgs(max_num_seqs=None, enable_chunked_prefill=None, enable_prefix_caching=None,
+                      max_model_len="32k")
+    assert (args.max_num_seqs, args.enable_chunked_prefill, args.enable_prefix_caching) == (256, True, True)
+    assert args.max_model_len == 32_000
+
+
+def test_token_budget_below_max_num_seqs_and_kv_below_max_model_len_are_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match="max_num_batched_tokens=8 must be at least max_num_seqs=16"):
+        EngineArgs(model=tiny_llama_dir, max_num_batched_tokens=8, max_num_seqs=16).create_engine_config()
+    from ascent import LLM
+
+    with pytest.raises(ValueError, match="fewer than one request of max_model_len=512.*at most 48"):
+        LLM(model=tiny_llama_dir, dtype="float32", kv_cache_memory_bytes="32K", max_num_seqs=4)
 
 
 @pytest.mark.parametrize("factory,bad", [
@@ -82,3 +123,10 @@ def test_invalid_engine_args_at_config_creation(tiny_llama_dir):
         EngineArgs(model="/no-such-model").create_engine_config()
     with pytest.raises(ValueError, match="tensor_parallel_size=0"):
         EngineArgs(model=tiny_llama_dir, tensor_parallel_size=0).create_engine_config()
+
+
+def test_bad_tokenizer_path_is_named_as_the_tokenizer(tiny_llama_dir):
+    from ascent.tokenizer import get_tokenizer
+
+    with pytest.raises(ValueError, match="^tokenizer '/no-such-tokenizer' is neither"):
+        get_tokenizer(tiny_llama_dir, "/no-such-tokenizer")
