@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Any
 
+from ascent import __version__
 from ascent.args import EngineArgs
 
 
@@ -68,6 +69,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         try:
             user = input("> ")
         except EOFError:
+            print()  # end the prompt line
             break
         if not user.strip():
             break
@@ -90,6 +92,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ascent", description="Portable LLM inference engine")
+    parser.add_argument("-v", "--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
 

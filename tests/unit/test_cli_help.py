@@ -31,3 +31,12 @@ def test_help_keeps_a_literal_percent(capsys):
         main(["serve", "--help"])
     assert exc.value.code == 0
     assert "25% of available memory" in capsys.readouterr().out
+
+
+def test_version(capsys):
+    from ascent import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ascent {__version__}"
