@@ -40,6 +40,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="engine worker processes (tensor parallel size)")
     group.add_argument("--enable-expert-parallel", action="store_true",
                        help="shard MoE experts across the ranks instead of slicing each expert")
+    from ascent.args import EngineArgs
+
+    EngineArgs.add_cli_args(parser, skip=BENCH_OWN_ENGINE_FLAGS)  # the rest of the engine's flags, as vLLM's benches
+
+
+# Engine options the benches define themselves (their own defaults and help); every other EngineArgs field is added
+# with its engine flag and passed through by ``build_llm``.
+BENCH_OWN_ENGINE_FLAGS = ("model", "hardware_profile", "dtype", "max_num_seqs", "max_num_batched_tokens",
+                          "kv_cache_memory_bytes", "num_threads", "seed", "tensor_parallel_size",
+                          "enable_expert_parallel", "disable_log_stats")
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:

@@ -7,10 +7,13 @@ on a few separate prompts, then one timed ``generate`` of all requests with ``ig
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 import numpy as np
 
+from ascent.args import EngineArgs
+from ascent.benchmarks.cli import BENCH_OWN_ENGINE_FLAGS
 from ascent.benchmarks.common import Timer, collect_env, dtype_name, pin_threads, safe_ratio, write_json
 from ascent.benchmarks.datasets import (BenchRequest, length_summary, resolve_len_range, sample_requests)
 from ascent.benchmarks.hf_peer import load_peer_model, peer_throughput, throughput_metrics
@@ -52,6 +55,9 @@ def build_llm(args: argparse.Namespace, max_model_len: int, **overrides: Any) ->
                  "tensor_parallel_size", "enable_expert_parallel"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
+    for f in dataclasses.fields(EngineArgs):  # the engine flags the bench passes through (max_model_len if given)
+        if f.name not in BENCH_OWN_ENGINE_FLAGS and getattr(args, f.name, None) is not None:
+            kwargs[f.name] = getattr(args, f.name)
     kwargs.update(overrides)
     return LLM(model=args.model, **kwargs)
 

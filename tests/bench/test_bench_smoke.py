@@ -261,3 +261,19 @@ def test_cli_defaults_follow_vllm_names() -> None:
     latency_defaults = (args.batch_size, args.input_len, args.output_len, args.num_iters, args.num_iters_warmup)
     assert latency_defaults == (1, 8, 128, 3, 1)
     assert callable(args.func) and args.no_peer is False
+
+
+def test_engine_flags_reach_the_engine(monkeypatch) -> None:
+    """Every engine flag (not only the bench's own) is accepted and passed to LLM, as vLLM's benches take EngineArgs."""
+    import ascent
+    from ascent.benchmarks.throughput import build_llm
+
+    seen: dict = {}
+    monkeypatch.setattr(ascent, "LLM", lambda model, **kwargs: seen.update(model=model, **kwargs))
+    args = _parse(["bench", "latency", "--model", "m", "--block-size", "32", "--max-model-len", "4k",
+                   "--no-enable-prefix-caching", "--quantization", "none", "--max-num-seqs", "4"])
+    build_llm(args, 136)
+    assert (seen["model"], seen["block_size"], seen["max_model_len"], seen["quantization"]) == ("m", 32, 4000, "none")
+    assert seen["enable_prefix_caching"] is False and seen["max_num_seqs"] == 4
+    build_llm(_parse(["bench", "latency"]), 136, enable_prefix_caching=False)
+    assert seen["max_model_len"] == 136 and seen["enable_prefix_caching"] is False  # the bench's own length
