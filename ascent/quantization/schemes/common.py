@@ -3,6 +3,7 @@ per-shard scalar checks and the fast/reference switch."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -11,6 +12,8 @@ from torch import nn
 from ascent.layers.linear import set_weight_attrs
 from ascent.quantization.base import WeightLoader, mark_optional
 from ascent.quantization.kernels import reference_forced
+
+logger = logging.getLogger(__name__)
 
 
 def add_param(layer: nn.Module, name: str, shape: tuple[int, ...] | list[int], dtype: torch.dtype,
@@ -85,6 +88,16 @@ def common_shard_scalar(layer: nn.Module, param: torch.Tensor, what: str, rtol: 
         raise ValueError(f"{layer_name(layer)}: fused shards have different {what} {values.tolist()}; "
                          f"they quantize the same input and must be equal")
     return ref
+
+
+def max_shard_scalar(layer: nn.Module, param: torch.Tensor, what: str) -> float:
+    """The largest of the fused shards' values: one static activation scale for the shared input that clips none
+    of the shards (vLLM's choice for compressed-tensors W8A8 with different q/k/v ``input_scale``)."""
+    values = shard_scalars(param)
+    if bool((values != values[0]).any()):
+        logger.warning("%s: fused shards have different %s %s; using the largest for the shared input",
+                       layer_name(layer), what, values.tolist())
+    return float(values.max())
 
 
 def check_zero_offset(layer: nn.Module, name: str, quant_type: str) -> None:

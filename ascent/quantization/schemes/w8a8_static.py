@@ -30,6 +30,7 @@ from ascent.quantization.schemes.common import (
     common_shard_scalar,
     decode_deq_scale,
     deq_scale_loader,
+    max_shard_scalar,
     num_shards,
     use_reference,
 )
@@ -70,13 +71,14 @@ class W8A8StaticLinear(QuantLinearScheme):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         check_zero_offset(layer, "weight_offset", self.quant_type)  # deq_scale / quant_bias fold no weight offset
         layer.w8a8_w_t = layer.weight.detach().t()
-        layer.w8a8_sx = common_shard_scalar(layer, layer.input_scale, "input_scale")
         s_w = layer.weight_scale.detach().float().reshape(-1)
-        if self.modelslim:
+        if self.modelslim:  # deq_scale / quant_bias were computed offline with the shards' common scale
+            layer.w8a8_sx = common_shard_scalar(layer, layer.input_scale, "input_scale")
             layer.w8a8_zx = common_shard_scalar(layer, layer.input_offset, "input_offset")
             layer.w8a8_deq = decode_deq_scale(layer.deq_scale.detach())
             layer.w8a8_beta = layer.quant_bias.detach().to(torch.int32).contiguous()
-        else:
+        else:  # d = s_x * s_w is formed here, so the shards can share the largest scale
+            layer.w8a8_sx = max_shard_scalar(layer, layer.input_scale, "input_scale")
             layer.w8a8_zx = 0.0
             layer.w8a8_deq = (torch.tensor(layer.w8a8_sx, dtype=torch.float32) * s_w).contiguous()
             layer.w8a8_beta = None

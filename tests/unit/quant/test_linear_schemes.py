@@ -124,6 +124,30 @@ def test_w8a8_static_fused_qkv_shards_and_mismatch():
         finish(make(True))
 
 
+def test_w8a8_static_compressed_tensors_fused_shards_share_the_largest_input_scale():
+    """compressed-tensors q/k/v calibrated to different input scales: the fused input is quantized once with the
+    largest (vLLM's ScaledMM rule), each shard dequantized with it -- no ValueError, nothing clipped."""
+    hidden, head, heads, kv = 64, 16, 4, 2
+    sizes = {"q": heads * head, "k": kv * head, "v": kv * head}
+    x = gaussian((8, hidden), 6)
+    amax = float(np.abs(x).max())
+    cks = {}
+    for i, (sid, n) in enumerate(sizes.items()):
+        q, s_w = quant_sym(gaussian((n, hidden), 7 + i, 0.05), 8)
+        cks[sid] = {"weight": q, "weight_scale": s_w,
+                    "input_scale": np.array([amax / 127.0 * (0.6, 0.8, 1.0)[i]], dtype=np.float32)}
+    layer = QKVParallelLinear(hidden, head, heads, kv, bias=False, params_dtype=torch.float32,
+                              quant_config=SpecConfig(QuantSpec("W8A8", source_format="compressed-tensors")),
+                              prefix="model.layers.0.qkv_proj")
+    for sid, ck in cks.items():
+        load(layer, {k: t(v) for k, v in ck.items()}, shard_id=sid)
+    finish(layer)
+    largest = cks["v"]["input_scale"]
+    assert layer.w8a8_sx == float(largest[0])
+    expected = np.concatenate([np_static_formula(x, dict(cks[s], input_scale=largest), None) for s in "qkv"], axis=1)
+    assert rel(layer(t(x)).numpy(), expected) < 1e-5
+
+
 def test_w8a8_static_row_parallel_rank1_has_no_quant_bias():
     init_tensor_parallel(1, 2)
     ck = modelslim_w8a8(gaussian((N, K), 8, 0.02), gaussian((N,), 9), gaussian((4, K), 10), True)
