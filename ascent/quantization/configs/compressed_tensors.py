@@ -88,6 +88,8 @@ def args_to_quant_type(fmt: str, w: dict[str, Any], a: dict[str, Any] | None) ->
                 return "FP8_BLOCK"
             if ws in ("channel", "tensor") and a_token_dyn:
                 return "W8A8FP8_DYNAMIC"
+            if ws in ("channel", "tensor") and a["strategy"] == "tensor" and not _is_dynamic(a):
+                return "W8A8FP8"  # llm-compressor's "FP8" preset: static per-tensor activations
         if wt == "int" and wb == 4 and ws in ("channel", "group") and a["type"] == "int" and a["num_bits"] == 8 \
                 and a_token_dyn:
             return "W4A8_DYNAMIC"

@@ -1,7 +1,8 @@
 """Native HF FP8 config (``quant_method: "fp8"``): float8_e4m3fn weights with ``weight_scale_inv``.
 
 ``weight_block_size: [bn, bk]`` -> ``FP8_BLOCK`` (128x128 block scales, dynamic per-token-group activations);
-no block size -> ``W8A8FP8_DYNAMIC`` with a per-tensor weight scale and dynamic per-token activations.
+no block size -> ``W8A8FP8_DYNAMIC`` with a per-tensor weight scale and dynamic per-token activations, or
+``W8A8FP8`` (static per-tensor ``input_scale``) with ``activation_scheme: static``.
 ``ignored_layers`` / ``modules_to_not_convert`` name unquantized modules (component-anchored; fused engine layers
 are unquantized when all their shards are listed, a partial listing is a ValueError).
 """
@@ -95,9 +96,10 @@ class Fp8Config(QuantizationConfig):
                              weight_type="float", weight_strategy="block", block_structure=self.block_size,
                              act_bits=8, act_type="float", act_strategy="group", act_dynamic=True,
                              act_group_size=self.block_size[1])
-        if not dynamic:
-            raise NotImplementedError("fp8 per-tensor checkpoints with activation_scheme='static' are not supported "
-                                      "(quant_type=W8A8FP8 static activations)")
+        if not dynamic:  # per-tensor input_scale in the checkpoint
+            return QuantSpec(quant_type="W8A8FP8", layer_type=layer_type, source_format="fp8", weight_bits=8,
+                             weight_type="float", weight_strategy="tensor", act_bits=8, act_type="float",
+                             act_strategy="tensor", act_dynamic=False)
         return QuantSpec(quant_type="W8A8FP8_DYNAMIC", layer_type=layer_type, source_format="fp8", weight_bits=8,
                          weight_type="float", weight_strategy="tensor", act_bits=8, act_type="float",
                          act_strategy="token", act_dynamic=True)

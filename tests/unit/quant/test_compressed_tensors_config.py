@@ -107,8 +107,12 @@ def test_fp8_dynamic_and_mx_formats() -> None:
 
 def test_unknown_combination_names_format_and_args() -> None:
     fp8_static = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
-    with pytest.raises(NotImplementedError, match=r"format='float-quantized'.*'strategy': 'tensor'"):
-        ct(qc_of("float-quantized", group(fp8_static, fp8_static))).get_spec(f"{L0}.mlp.down_proj", "linear")
+    spec = ct(qc_of("float-quantized", group(fp8_static, fp8_static))).get_spec(f"{L0}.mlp.down_proj", "linear")
+    assert (spec.quant_type, spec.weight_strategy, spec.act_strategy, spec.act_dynamic) == (
+        "W8A8FP8", "tensor", "tensor", False)  # llm-compressor's "FP8" preset
+    static_token = {**fp8_static, "strategy": "token"}
+    with pytest.raises(NotImplementedError, match=r"format='float-quantized'.*'strategy': 'token'"):
+        ct(qc_of("float-quantized", group(fp8_static, static_token))).get_spec(f"{L0}.mlp.down_proj", "linear")
     nv = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "dynamic": False}
     with pytest.raises(NotImplementedError, match="nvfp4-pack-quantized"):
         ct(qc_of("nvfp4-pack-quantized", group(nv, {**nv, "dynamic": "local"}))).get_spec(f"{L0}.o", "linear")

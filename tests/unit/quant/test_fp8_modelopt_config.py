@@ -32,8 +32,11 @@ def test_fp8_per_tensor_and_validation() -> None:
             Fp8Config({**DSV3_FP8, "weight_block_size": bad})
     with pytest.raises(ValueError, match="activation_scheme='mixed'"):
         Fp8Config({**DSV3_FP8, "activation_scheme": "mixed"})
-    with pytest.raises(NotImplementedError, match="static"):
+    with pytest.raises(NotImplementedError, match="static"):  # block scales with static activations
         Fp8Config({**DSV3_FP8, "activation_scheme": "static"}).get_spec(f"{L0}.mlp.down_proj", "linear")
+    spec = Fp8Config({"quant_method": "fp8", "activation_scheme": "static"}).get_spec(f"{L0}.mlp.down_proj", "linear")
+    assert (spec.quant_type, spec.weight_strategy, spec.act_strategy, spec.act_dynamic) == (
+        "W8A8FP8", "tensor", "tensor", False)
 
 
 def test_fp8_ignored_layers_and_fused() -> None:

@@ -233,3 +233,54 @@ def test_w8a8_mix_decode_rows_take_the_dynamic_kernel(kv_consumer, monkeypatch):
     monkeypatch.setattr("ascent.quantization.schemes.w8a8_dynamic.int8_linear_dynamic", not_at_decode_sizes)
     for x, want in zip(xs, wants):
         assert torch.equal(layer(x), want)
+
+
+def _fp8_qkv(quant_type: str, source: str, act_scales: tuple[float, ...] | None):
+    """A fused q/k/v of FP8 weights with one (different) scale per shard, the tensor strategy of compressed-tensors
+    and HF fp8; with ``act_scales`` also a static ``input_scale`` per shard."""
+    hidden, head, heads, kv = 64, 16, 4, 2
+    sizes = {"q": heads * head, "k": kv * head, "v": kv * head}
+    layer = QKVParallelLinear(hidden, head, heads, kv, bias=False, params_dtype=torch.float32,
+                              quant_config=SpecConfig(QuantSpec(quant_type, source_format=source, weight_type="float",
+                                                                weight_strategy="tensor")),
+                              prefix="model.layers.0.qkv_proj")
+    weights, scales = {}, {}
+    for i, (sid, n) in enumerate(sizes.items()):
+        w = torch.from_numpy(gaussian((n, hidden), 20 + i, 0.05 * (i + 1))).double()
+        s_w = torch.tensor([float(w.abs().max()) / 448.0], dtype=torch.float32)
+        weights[sid] = (w / s_w.double()).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scales[sid] = s_w
+        tensors = {"weight": weights[sid], "weight_scale": s_w}
+        if act_scales is not None:
+            tensors["input_scale"] = torch.tensor([act_scales[i]], dtype=torch.float32)
+        load(layer, tensors, shard_id=sid)
+    finish(layer)
+    w_deq = torch.cat([weights[s].double() * scales[s].double() for s in "qkv"])
+    return layer, w_deq
+
+
+def test_fp8_per_tensor_weight_scales_of_fused_shards():
+    """compressed-tensors / HF fp8 tensor strategy: weight_scale [1] per checkpoint module, expanded per row."""
+    for source in ("compressed-tensors", "fp8"):
+        layer, w_deq = _fp8_qkv("W8A8FP8_DYNAMIC", source, None)
+        x = torch.from_numpy(gaussian((8, 64), 30))
+        s_x = x.abs().amax(1, keepdim=True) / 448.0
+        xf = (x / s_x).clamp(-448, 448).to(torch.float8_e4m3fn).double() * s_x.double()
+        expected = xf @ w_deq.t()
+        assert rel(layer(x).numpy(), expected.numpy()) < 1e-5
+        assert rel(layer.quant_method.apply_reference(layer, x).numpy(), expected.numpy()) < 1e-5
+
+
+def test_fp8_static_activations_share_the_largest_input_scale():
+    """W8A8FP8 (llm-compressor "FP8", HF fp8 activation_scheme static): x quantized once with the largest shard
+    input_scale, ``y = e4m3(clamp(x / s_x)) * s_x @ (Wf * s_w)^T``."""
+    x = torch.from_numpy(gaussian((8, 64), 31))
+    amax = float(x.abs().max())
+    act = (amax / 448.0 * 0.5, amax / 448.0 * 0.9, amax / 448.0 * 0.7)  # the smaller ones would clip x
+    layer, w_deq = _fp8_qkv("W8A8FP8", "compressed-tensors", act)
+    assert layer.fp8_input_scale == pytest.approx(act[1])
+    s_x = torch.tensor(layer.fp8_input_scale, dtype=torch.float64)
+    xf = (x.double() / s_x).clamp(-448, 448).to(torch.float8_e4m3fn).double() * s_x
+    expected = xf @ w_deq.t()
+    assert rel(layer(x).numpy(), expected.numpy()) < 1e-5
+    assert rel(layer.quant_method.apply_reference(layer, x).numpy(), expected.numpy()) < 1e-5
