@@ -116,8 +116,12 @@ def args_to_spec(fmt: str, w: dict[str, Any], a: dict[str, Any] | None, layer_ty
     if a is not None:
         fields.update(act_bits=a["num_bits"], act_type=a["type"], act_strategy=a["strategy"],
                       act_dynamic=_is_dynamic(a), act_symmetric=bool(a["symmetric"]), act_group_size=a["group_size"])
+    actorder = w.get("actorder")
+    if actorder in ("group", "dynamic") and quant_type not in ("W4A16", "W8A16"):
+        raise NotImplementedError(f"compressed-tensors actorder={actorder!r} (weight_g_idx) is supported for "
+                                  f"weight-only W4A16 / W8A16 only, not {quant_type}")
     return QuantSpec(quant_type=quant_type, layer_type=layer_type, source_format="compressed-tensors",
-                     extra={"format": fmt}, **fields)
+                     extra={"format": fmt, "actorder": actorder}, **fields)
 
 
 def _match_rank(name: str, target: str, class_names: tuple[str, ...]) -> int | None:

@@ -25,7 +25,8 @@ from ascent.quantization.kernels import (
     weight_int8_linear, weight_only_path,
 )
 from ascent.quantization.registry import register_scheme
-from ascent.quantization.packing import unpack_from_int32
+from ascent.quantization.packing import pack_to_int32, unpack_from_int32
+from ascent.quantization.schemes.act_order import create_g_idx, group_sorting_permutation, permute_input, uses_g_idx
 from ascent.quantization.schemes.common import (
     add_param, expand_groups, group_size_of, layer_name, num_shards, use_reference,
 )
@@ -70,8 +71,13 @@ class WeightOnlyLinear(QuantLinearScheme):
                        input_size: int, output_size: int, params_dtype: torch.dtype,
                        weight_loader: WeightLoader) -> None:
         n, k = sum(output_partition_sizes), input_size_per_partition
+        if uses_g_idx(self.spec) and not self.packed_checkpoint:
+            raise NotImplementedError(f"{layer_name(layer)}: activation order (weight_g_idx) is supported for "
+                                      f"pack-quantized checkpoints only")
         if self.packed_checkpoint:
             create_packed_weights(self, layer, n, k, output_partition_sizes, weight_loader)
+            if uses_g_idx(self.spec):
+                create_g_idx(layer, k, output_partition_sizes, weight_loader)
             return
         add_param(layer, "weight", (n, k), torch.int8, weight_loader, output_dim=0, input_dim=1)
         self.create_scales(layer, n, k, weight_loader, self.modelslim or not self.spec.weight_symmetric)
@@ -99,6 +105,7 @@ class WeightOnlyLinear(QuantLinearScheme):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.packed_checkpoint:
             check_weight_shape(layer)
+        self.sort_columns_by_group(layer)
         layer.wo_scale = layer.weight_scale.detach().float()
         layer.wo_zero = self.zero_points(layer)
         layer.wo_dense = DenseWeightCache(lambda: self.dequantized_weight(layer))
@@ -114,10 +121,22 @@ class WeightOnlyLinear(QuantLinearScheme):
             layer.wo_amx_bf16 = prepare_wo_amx(self.int_weight(layer), self.bits, layer.wo_scale, layer.wo_zero,
                                                getattr(layer, "params_dtype", None))
 
+    def sort_columns_by_group(self, layer: nn.Module) -> None:
+        """Activation-ordered checkpoints: store the weight with its columns sorted by group (``act_order.py``);
+        sets ``layer.wo_input_perm`` (None when there is nothing to permute)."""
+        layer.wo_input_perm = None
+        if not uses_g_idx(self.spec):
+            return
+        perm = group_sorting_permutation(layer, group_size_of(self.spec, self.input_size(layer)))
+        if perm is not None:
+            layer.weight_packed.data = pack_to_int32(self.int_weight(layer)[:, perm], self.bits, dim=1)
+            layer.wo_input_perm = perm
+
     def decode_stack_call(self, layer: nn.Module) -> StackSpec | None:
-        """How a C++ decode stack calls this linear's small-M kernel (``kernels.STACK_KIND_*``), None without it."""
+        """How a C++ decode stack calls this linear's small-M kernel (``kernels.STACK_KIND_*``), None without it
+        (or when the layer permutes its input, which the stack does not)."""
         gemv = getattr(layer, "wo_gemv", None)
-        if gemv is None:
+        if gemv is None or getattr(layer, "wo_input_perm", None) is not None:
             return None
         bias = getattr(layer, "bias", None)
         spec = gemv.stack_spec(bias, getattr(layer, "wo_amx", None))
@@ -155,6 +174,7 @@ class WeightOnlyLinear(QuantLinearScheme):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if use_reference(self):
             return self.apply_reference(layer, x, bias)
+        x = permute_input(layer, x)
         tiles = getattr(layer, "wo_amx_bf16", None)
         if tiles is not None and tiles.takes(x):
             return tiles.linear(x, bias)
@@ -171,7 +191,11 @@ class WeightOnlyLinear(QuantLinearScheme):
             return self.packed_linear(layer, x, bias)
         return layer.wo_dense.linear(x, bias)
 
+    def apply_reference(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return super().apply_reference(layer, permute_input(layer, x), bias)
+
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The float32 weight [N, K] as stored: columns in ``wo_input_perm`` order for activation-ordered layers."""
         q = self.int_weight(layer).float()
         if layer.wo_zero is not None:
             q = q - expand_groups(layer.wo_zero, q.shape[1])
@@ -192,6 +216,8 @@ class WeightOnlyLinear(QuantLinearScheme):
         if layer.wo_zero is not None:
             w = w - expand_groups(layer.wo_zero[flat], w.shape[1])
         w = w * expand_groups(layer.wo_scale[flat], w.shape[1])
+        if getattr(layer, "wo_input_perm", None) is not None:  # back to the checkpoint's column order
+            w = w[:, torch.argsort(layer.wo_input_perm)]
         return w.to(getattr(layer, "params_dtype", torch.float32)).reshape(*ids.shape, w.shape[1])
 
 

@@ -179,3 +179,12 @@ def test_installed_compressed_tensors_presets(preset: str, fmt: str, expected: s
     config = ct(qc_of(fmt, group(weights, acts)))
     assert config.get_spec(f"{L0}.mlp.down_proj", "linear").quant_type == expected
     assert args_to_quant_type(fmt, config.groups[0][2], config.groups[0][3]) == expected
+
+
+def test_actorder_is_recorded_and_refused_where_no_scheme_permutes() -> None:
+    w4 = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True, "actorder": "group"}
+    spec = ct(qc_of("pack-quantized", group(w4))).get_spec(f"{L0}.mlp.down_proj", "linear")
+    assert spec.quant_type == "W4A16" and spec.extra["actorder"] == "group"
+    a8 = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True, "dynamic": True}
+    with pytest.raises(NotImplementedError, match="actorder='group'.*W4A8_DYNAMIC"):
+        ct(qc_of("int-quantized", group(w4, a8))).get_spec(f"{L0}.mlp.down_proj", "linear")

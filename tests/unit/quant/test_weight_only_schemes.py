@@ -89,6 +89,67 @@ def test_w4a16_pack_quantized(symmetric):
     check_paths(layer, x, x.astype(np.float64) @ w_deq.T + b, 1e-5, TABLE_91["W4A16_g128"], w, b)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_w4a16_activation_order_weight_g_idx(symmetric):
+    """GPTQ act-order (compressed-tensors actorder "group"): column k uses scale group g_idx[k], the groups'
+    columns scattered over K; the numpy reference dequantizes in the checkpoint's column order."""
+    w, x, b = gaussian((N, K), 8, 0.02), gaussian((M, K), 9), gaussian((N,), 10, 0.1)
+    perm = np.random.default_rng(0).permutation(K)
+    g_idx = np.empty(K, dtype=np.int32)
+    g_idx[perm] = np.arange(K) // 128  # groups of 128 in the permuted order
+    if symmetric:
+        qp, s = quant_sym(w[:, perm], 4, 128)
+        zp = np.zeros_like(s, dtype=np.int8)
+    else:
+        qp, s, zp = quant_asym(w[:, perm], 4, 128)
+    q = qp[:, np.argsort(perm)]  # stored in the checkpoint's column order
+    ck = {"weight_packed": ct_pack(t(q), 4, 1), "weight_scale": s, "weight_shape": np.array([N, K]),
+          "weight_g_idx": g_idx}
+    if not symmetric:
+        ck["weight_zero_point"] = ct_pack(t(zp), 4, 0)
+    spec = QuantSpec("W4A16", source_format="compressed-tensors", weight_bits=4, weight_strategy="group",
+                     group_size=128, weight_symmetric=symmetric, extra={"format": "pack-quantized", "actorder": "group"})
+    layer = build(spec, ck, b)
+    assert layer.wo_input_perm is not None and layer.quant_method.decode_stack_call(layer) is None
+    w_deq = (q.astype(np.float64) - zp[:, g_idx]) * s[:, g_idx]
+    check_paths(layer, x, x.astype(np.float64) @ w_deq.T + b, 1e-5, TABLE_91["W4A16_g128"], w, b)
+    with pytest.raises(ValueError, match="weight_g_idx does not give each group 128 columns"):
+        build(spec, dict(ck, weight_g_idx=np.minimum(np.arange(K) // 100, K // 128 - 1).astype(np.int32)), b)
+
+
+def test_w4a16_activation_order_of_fused_shards():
+    """q/k/v quantized with GPTQ act-order share their input, hence their order: the fused layer sorts its columns
+    once; shards with different orders cannot share one permuted input and are refused by name."""
+    from ascent.layers.linear import QKVParallelLinear
+
+    hidden, head, heads, kv = 256, 16, 4, 2
+    rng = np.random.default_rng(1)
+    spec = QuantSpec("W4A16", source_format="compressed-tensors", weight_bits=4, weight_strategy="group",
+                     group_size=64, extra={"format": "pack-quantized", "actorder": "group"})
+
+    def make(same_order: bool):
+        layer = QKVParallelLinear(hidden, head, heads, kv, bias=False, params_dtype=torch.float32,
+                                  quant_config=SpecConfig(spec), prefix="model.layers.0.qkv_proj")
+        perm, parts = rng.permutation(hidden), []
+        for i, (sid, n) in enumerate({"q": heads * head, "k": kv * head, "v": kv * head}.items()):
+            perm = perm if same_order else rng.permutation(hidden)
+            g_idx = np.empty(hidden, dtype=np.int32)
+            g_idx[perm] = np.arange(hidden) // 64
+            qp, sc = quant_sym(gaussian((n, hidden), 40 + i, 0.05)[:, perm], 4, 64)
+            q = qp[:, np.argsort(perm)]
+            load(layer, {"weight_packed": ct_pack(t(q), 4, 1), "weight_scale": t(sc),
+                         "weight_shape": t(np.array([n, hidden])), "weight_g_idx": t(g_idx)}, shard_id=sid)
+            parts.append(q.astype(np.float64) * sc[:, g_idx])
+        return layer, np.concatenate(parts)
+
+    layer, w_deq = make(True)
+    finish(layer)
+    x = gaussian((4, hidden), 50)
+    assert rel(layer(t(x)).numpy(), x.astype(np.float64) @ w_deq.T) < 1e-5
+    with pytest.raises(NotImplementedError, match="qkv_proj: fused shards with different activation orders"):
+        finish(make(False)[0])
+
+
 def test_w4a16_modelslim_one_int4_per_byte():
     w, x = gaussian((N, K), 8, 0.02), gaussian((M, K), 9)
     q, s = quant_sym(w, 4, 64)
