@@ -12,6 +12,7 @@ naming the format and the arguments.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any, ClassVar
@@ -23,6 +24,8 @@ from ascent.quantization.configs.modelslim_mapping import (
     replace_last_component,
 )
 from ascent.quantization.registry import DEFAULT_REGISTRY, SchemeRegistry
+
+logger = logging.getLogger(__name__)
 
 FORMATS = ("int-quantized", "pack-quantized", "float-quantized", "naive-quantized", "mxfp4-pack-quantized",
            "mxfp8-quantized", "nvfp4-pack-quantized", "dense")
@@ -154,6 +157,9 @@ class CompressedTensorsConfig(QuantizationConfig):
                 raise NotImplementedError(f"compressed-tensors group {name!r} has no weight quantization")
             self.groups.append((list(group.get("targets") or []), fmt, weights, _args(group.get("input_activations"))))
         self.kv_cache_scheme = _args(quant_config.get("kv_cache_scheme"))
+        if self.kv_cache_scheme is not None:  # the attention layers do not take a quantized KV cache (yet)
+            logger.warning("compressed-tensors kv_cache_scheme %s is not applied: the KV cache stays in the model "
+                           "dtype and the checkpoint's k_scale / v_scale are not used", quant_config["kv_cache_scheme"])
         self.packed_modules = packed_modules if packed_modules is not None else packed_modules_for(None)
         self.registry = registry or DEFAULT_REGISTRY
 

@@ -154,10 +154,12 @@ def test_moe_linear_target_and_expert_zero_name() -> None:
     assert by_name.get_spec("model.layers.1.mlp.experts", "moe").quant_type == "W8A8_DYNAMIC"
 
 
-def test_kv_cache_scheme_routes_to_attention_spec() -> None:
+def test_kv_cache_scheme_routes_to_attention_spec(caplog) -> None:
     qc = {**W8A8_INT_DYN, "kv_cache_scheme": {"num_bits": 8, "type": "int", "strategy": "tensor",
                                                "symmetric": True, "dynamic": False}}
-    spec = ct(qc).get_spec(f"{L0}.self_attn.attn", "attention")
+    with caplog.at_level("WARNING"):
+        spec = ct(qc).get_spec(f"{L0}.self_attn.attn", "attention")
+    assert "kv_cache_scheme" in caplog.text and "not applied" in caplog.text  # not silently ignored
     assert (spec.quant_type, spec.layer_type, spec.source_format) == ("C8", "attention", "compressed-tensors")
     fp8_kv = {**W8A8_INT_DYN, "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
                                                    "dynamic": False}}
