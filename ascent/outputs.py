@@ -3,19 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 
+from ascent.sampling_params import RequestOutputKind  # defined with SamplingParams (vLLM); re-exported here
 
-class RequestOutputKind(IntEnum):
-    """How outputs are streamed (``SamplingParams.output_kind``).
-
-    CUMULATIVE: every output carries all text/tokens so far. DELTA: only what is new since the previous output.
-    FINAL_ONLY: a single output once the request finished.
-    """
-
-    CUMULATIVE = 0
-    DELTA = 1
-    FINAL_ONLY = 2
+__all__ = ["RequestOutputKind"]  # plus the classes below
 
 
 @dataclass
@@ -55,6 +46,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    lora_request: None = None  # vLLM's field; LoRA adapters are not served by this build
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -70,8 +62,12 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
+    metrics: RequestMetrics | None = None  # vLLM's positional order from here on
+    lora_request: None = None
+    encoder_prompt: str | None = None  # decoder-only models: always None
+    encoder_prompt_token_ids: list[int] | None = None
     num_cached_tokens: int | None = None
-    metrics: RequestMetrics | None = None
+    kv_transfer_params: dict | None = None
 
     def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
         """Merge a later output of the same request into this one.

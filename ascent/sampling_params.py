@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 _SAMPLING_EPS = 1e-5
+_MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller positive temperatures overflow the softmax
 # the seeds a torch.Generator takes (a negative seed is read modulo 2^64)
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+class RequestOutputKind(IntEnum):
+    """How outputs are streamed (``SamplingParams.output_kind``).
+
+    CUMULATIVE: every output carries all text/tokens so far. DELTA: only what is new since the previous output.
+    FINAL_ONLY: a single output once the request finished.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class SamplingType(IntEnum):
@@ -52,7 +68,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
-    output_kind: int = 0
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: tokenizer EOS ∪ generation_config EOS (not the request's own stop_token_ids).
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     _eos_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -66,7 +82,15 @@ class SamplingParams:
             self.stop = [self.stop]
         else:
             self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))
+        if self.seed == -1:  # vLLM: -1 means no seed
+            self.seed = None
+        if 0 < self.temperature < _MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s and is raised to it (vLLM)", self.temperature,
+                           _MIN_TEMPERATURE)
+            self.temperature = _MIN_TEMPERATURE
+        if self.output_kind in set(RequestOutputKind):  # a plain 0/1/2 becomes the enum (vLLM's type)
+            self.output_kind = RequestOutputKind(self.output_kind)
         if self.top_k == -1:
             self.top_k = 0
         if self.logprobs is True:  # OpenAI-style boolean
@@ -96,6 +120,10 @@ class SamplingParams:
             raise bad("repetition_penalty", self.repetition_penalty, "must be greater than zero")
         if self.temperature < 0.0:
             raise bad("temperature", self.temperature, "must be non-negative")
+        if self.temperature < _SAMPLING_EPS and self.n > 1:
+            raise bad("n", self.n, "must be 1 when using greedy sampling")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", self.output_kind, f"must be one of {[k.name for k in RequestOutputKind]}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ascent.args import EngineArgs
-from ascent.config import EngineConfig
+from ascent.config import EngineConfig, ModelConfig
 from ascent.core.engine_core import EngineCore
 from ascent.core.scheduler import SchedulerStats
 from ascent.core.output_processor import IterationStats, OutputProcessor
@@ -44,6 +44,16 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
         return cls(engine_args.create_engine_config())
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model_config
+
+    def get_model_config(self) -> ModelConfig:
+        return self.config.model_config
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
 
     def generation_defaults(self) -> dict[str, Any]:
         """SamplingParams keywords from the model's ``generation_config.json`` (vLLM's default sampling params);

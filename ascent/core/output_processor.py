@@ -173,6 +173,8 @@ class RequestState:
             self.prompt_logprobs.extend(logprobs_to_dict(e, self.token_text) for e in out.new_prompt_logprobs)
         if out.num_cached_tokens:
             self.num_cached_tokens = out.num_cached_tokens
+        if self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = out.first_scheduled_time
         return stop
 
     def make_request_output(self, finish_reason: str | None, stop_reason: int | str | None) -> RequestOutput | None:

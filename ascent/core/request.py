@@ -63,6 +63,7 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission (-1 = not yet scheduled)
+        self.first_scheduled_time: float | None = None  # time.time() at first admission (RequestMetrics)
         self.spec_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

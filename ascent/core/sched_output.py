@@ -93,6 +93,7 @@ class EngineCoreOutput:
     new_logprobs: list[LogprobsEntry] | None = None
     new_prompt_logprobs: list[LogprobsEntry] | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # time.time() when the request was first scheduled
 
     @property
     def finished(self) -> bool:

@@ -273,6 +273,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+                request.first_scheduled_time = time.time()
             scheduled_new.append(request)
             num_scheduled[request.request_id] = n
             budget -= n
@@ -353,6 +354,7 @@ class Scheduler:
                     new_logprobs=logprobs[: len(new_tokens)] if logprobs else None,
                     new_prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    first_scheduled_time=request.first_scheduled_time,
                 ))
             if stopped:
                 self.running.remove(request)

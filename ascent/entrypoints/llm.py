@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -13,6 +13,12 @@ from ascent.sampling_params import SamplingParams
 from ascent.tokenizer import apply_chat_template, normalize_messages
 
 ChatMessages = list[dict[str, Any]]
+CONTENT_FORMATS = ("auto", "string", "openai")  # message content as text, or as OpenAI parts: both are accepted
+
+
+def _check_no_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError(f"lora_request={lora_request!r}: LoRA adapters are not served by this build; pass None.")
 
 
 class LLM:
@@ -45,12 +51,17 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: None = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate completions; returns one RequestOutput per prompt, in input order."""
+        """Generate completions; returns one RequestOutput per prompt, in input order. ``use_tqdm`` may be a tqdm-like
+        factory (vLLM); ``lora_request`` is accepted for vLLM's signature and must be None (no LoRA in this build)."""
+        _check_no_lora(lora_request)
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) and not hasattr(prompts, "__iter__"):
+            raise ValueError(f"prompts={prompts!r} must be a prompt (str, dict, token ids) or a sequence of them.")
         prompts = list(prompts)
         params = self._expand_params(sampling_params, len(prompts))
         if priority is not None and len(priority) != len(prompts):
@@ -62,29 +73,36 @@ class LLM:
         messages: ChatMessages | list[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate. Message content may be a
-        string or a list of OpenAI text parts; ``continue_final_message`` leaves the last (assistant) message open
-        for the model to continue; ``tools`` reach the template."""
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        kwargs = dict(chat_template_kwargs or {})
-        if continue_final_message:
-            kwargs["continue_final_message"] = True
+        string or a list of OpenAI text parts (either ``chat_template_content_format``); ``continue_final_message``
+        leaves the last (assistant) message open for the model to continue; ``tools`` reach the template;
+        ``chat_template_kwargs`` are passed last and win over the named options (vLLM)."""
+        _check_no_lora(lora_request)
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r} must be one of "
+                             f"{CONTENT_FORMATS}.")
+        kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt, "chat_template": chat_template,
+                                  "continue_final_message": continue_final_message}
         if tools is not None:
             kwargs["tools"] = tools
-        prompts = [
-            apply_chat_template(self.get_tokenizer(), normalize_messages(conv),
-                                add_generation_prompt=add_generation_prompt, chat_template=chat_template, **kwargs)
-            for conv in conversations
-        ]
+        kwargs.update(chat_template_kwargs or {})
+        kwargs.pop("tokenize", None)  # the prompt is rendered as text, then tokenized here
+        if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
+        if not kwargs["continue_final_message"]:
+            del kwargs["continue_final_message"]
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [apply_chat_template(self.get_tokenizer(), normalize_messages(conv), **kwargs)
+                   for conv in conversations]
         tok = self.get_tokenizer()
         token_prompts = [{"prompt": p, "prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts]
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
@@ -99,7 +117,7 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {num} prompts.")
         return sampling_params
 
-    def _run(self, prompts, params, priority, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts, params, priority, use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -111,7 +129,8 @@ class LLM:
             engine.abort_request(ids)
             raise
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        progress = use_tqdm if callable(use_tqdm) else tqdm
+        bar = progress(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
