@@ -113,6 +113,9 @@ class EngineArgs:
         "speculative decoding JSON with vLLM's keys, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'"))
     hardware_profile: str = field(default="auto", metadata=_opt("hardware family profile", HARDWARE_PROFILES))
     num_threads: int | None = field(default=None, metadata=_opt("torch intra-op threads (default: torch's)"))
+    trust_remote_code: bool = field(default=False, metadata=_opt(
+        "accepted for vLLM compatibility: ascent runs its own model implementations and never executes code from "
+        "a checkpoint"))
     enforce_eager: bool = field(default=True, metadata=_opt(
         "accepted for vLLM compatibility: ascent has no graph capture and always runs eagerly"))
     disable_log_stats: bool = field(default=False, metadata=_opt("disable the periodic stats log line"))

@@ -94,3 +94,11 @@ def test_request_output_fields_and_engine_accessors(llm):
     engine = llm.llm_engine
     assert engine.model_config is engine.get_model_config() is engine.config.model_config
     assert engine.get_tokenizer() is llm.get_tokenizer()
+
+
+def test_trust_remote_code_is_accepted(tiny_llama_dir):
+    from ascent.args import EngineArgs
+
+    assert EngineArgs(model=tiny_llama_dir, trust_remote_code=True).trust_remote_code is True
+    with pytest.raises(ValueError, match="trust_remote_code='yes'.*boolean"):
+        EngineArgs(trust_remote_code="yes")
