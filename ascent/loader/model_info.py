@@ -139,8 +139,9 @@ def get_model_dtype(hf_config: Any, requested: str | torch.dtype, device_type: s
     """Resolve ``--dtype`` to a torch dtype.
 
     Accepted: auto, float32/float/fp32, float16/half/fp16, bfloat16/bf16 (or one of those torch dtypes). ``auto`` uses
-    the config's dtype when it is float32/float16/bfloat16, except float16 -> bfloat16 on CPU (CPU fp16 GEMMs are
-    slow); GGUF or unknown config dtypes give bfloat16. Invalid values raise ValueError naming them.
+    the config's dtype when it is float16/bfloat16, except float16 -> bfloat16 on CPU (CPU fp16 GEMMs are slow);
+    float32 checkpoints are served in bfloat16 (vLLM's "downcast for float32 models": half the bytes per step);
+    GGUF or unknown config dtypes give bfloat16. Invalid values raise ValueError naming them.
     """
     if not isinstance(device_type, str) or not device_type:
         raise ValueError(f"device_type must be a non-empty string, got {device_type!r}")
@@ -156,7 +157,7 @@ def get_model_dtype(hf_config: Any, requested: str | torch.dtype, device_type: s
     if name != "auto":
         raise ValueError(f"dtype {requested!r} is not supported (use auto or one of {sorted(_DTYPES)})")
     config_dtype = _config_dtype(hf_config)
-    if config_dtype not in _FLOAT_DTYPES:
+    if config_dtype not in _FLOAT_DTYPES or config_dtype == torch.float32:
         return torch.bfloat16
     if config_dtype == torch.float16 and device_type == "cpu":
         return torch.bfloat16

@@ -116,7 +116,8 @@ def test_throughput_profile_comparison(tiny_llama_dir: str, tmp_path) -> None:
     args.func(args)
     data = json.loads(out.read_text())
     other = data["profile_comparison"]
-    assert data["dtype"] == "float16" and other["hardware_profile"] == "cpu" and other["dtype"] == "float32"
+    # --dtype auto: the fp16-only 310p family in float16, the float32 checkpoint in bfloat16 under cpu (vLLM)
+    assert data["dtype"] == "float16" and other["hardware_profile"] == "cpu" and other["dtype"] == "bfloat16"
     assert other["total_output_tokens"] == data["total_output_tokens"] == data["requested"]["total_output_tokens"]
     assert other["ratio"] == pytest.approx(data["output_tokens_per_second"] / other["output_tokens_per_second"])
 

@@ -17,7 +17,8 @@ from ascent.sampling_params import SamplingParams
 
 def make_config(model: str, tensor_parallel_size: int = 1, **kwargs) -> EngineConfig:
     """An EngineConfig for ``model``; the TP size is set after validation (works before ParallelConfig allows it)."""
-    args = dict(max_model_len=256, disable_log_stats=True, max_num_seqs=8, kv_cache_memory_bytes=4 << 20)
+    args = dict(dtype="float32", max_model_len=256, disable_log_stats=True, max_num_seqs=8,
+                kv_cache_memory_bytes=4 << 20)
     config = EngineArgs(model=model, **{**args, **kwargs}).create_engine_config()
     config.parallel_config.tensor_parallel_size = tensor_parallel_size
     return config

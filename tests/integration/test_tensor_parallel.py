@@ -85,7 +85,7 @@ def _llm_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def test_llm_tensor_parallel_size_2_equals_1(model_dir, prompts) -> None:
-    kw = dict(max_model_len=256, disable_log_stats=True, max_num_batched_tokens=BATCH_TOKENS,
+    kw = dict(dtype="float32", max_model_len=256, disable_log_stats=True, max_num_batched_tokens=BATCH_TOKENS,
               max_num_seqs=BATCH_TOKENS)
     ref = _llm_tokens(LLM(model=model_dir, **kw), prompts)
     llm = LLM(model=model_dir, tensor_parallel_size=2, **kw)

@@ -37,11 +37,11 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 @pytest.mark.parametrize(
     ("config_dtype", "requested", "device", "expected"),
     [
-        ("float32", "auto", "cpu", F32),
+        ("float32", "auto", "cpu", BF16),  # vLLM downcasts float32 checkpoints
         ("bfloat16", "auto", "cpu", BF16),
         ("float16", "auto", "cpu", BF16),  # CPU fp16 GEMMs are slow
         ("float16", "auto", "cuda", F16),
-        ("float32", "auto", "cuda", F32),
+        ("float32", "auto", "cuda", BF16),
         (None, "auto", "cpu", BF16),  # GGUF / unknown
         (None, "auto", "cuda", BF16),
         ("bfloat16", "float32", "cpu", F32),
@@ -63,7 +63,7 @@ def test_dtype_table(config_dtype, requested, device: str, expected: torch.dtype
 
 
 def test_dtype_from_saved_config(tiny_llama_dir: str) -> None:
-    assert get_model_dtype(load_hf_config(tiny_llama_dir), "auto", "cpu") is F32
+    assert get_model_dtype(load_hf_config(tiny_llama_dir), "auto", "cpu") is BF16  # a float32 checkpoint
 
 
 @pytest.mark.parametrize("bad", ["float64", "int8", "fp8", "", "autos", torch.int32, 3])
