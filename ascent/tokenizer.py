@@ -74,21 +74,32 @@ def apply_chat_template(
     )
 
 
+_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages with string content: a list of ``{"type": "text", "text": ...}`` parts is joined by newlines."""
+    """Messages with string content, as vLLM renders them for a string template: missing or null content is "", a
+    list of parts (plain strings, ``text`` / ``input_text`` / ``output_text`` / ``refusal`` parts) is joined by
+    newlines; other parts (images, audio) are a ValueError."""
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(f"messages[{i}] must be an object with a string 'role', got {message!r}.")
         content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError(f"messages[{i}].content: only text parts are supported, got {part!r}.")
-                texts.append(part["text"])
-            message = {**message, "content": "\n".join(texts)}
-        elif content is not None and not isinstance(content, str):
+        if content is None:
+            message = {**message, "content": ""}
+        elif isinstance(content, list):
+            message = {**message, "content": "\n".join(_part_text(i, part) for part in content)}
+        elif not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts, got {content!r}.")
         out.append(message)
     return out
+
+
+def _part_text(index: int, part: Any) -> str:
+    if isinstance(part, str):
+        return part
+    key = _TEXT_PART_KEYS.get(part.get("type")) if isinstance(part, dict) else None
+    if key is None or not isinstance(part.get(key), str):
+        raise ValueError(f"messages[{index}].content: only text parts are supported, got {part!r}.")
+    return part[key]

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import secrets
 import signal
 import threading
 from collections.abc import AsyncGenerator
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,7 +35,7 @@ from ascent.entrypoints.openai.protocol import (
 )
 from ascent.entrypoints.openai.serving_chat import OpenAIServingChat
 from ascent.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from ascent.entrypoints.openai.serving_tokens import OpenAIServingTokenization
+from ascent.entrypoints.openai.serving_tokens import FrontendOptions, OpenAIServingTokenization
 from ascent.tokenizer import load_chat_template
 
 logger = logging.getLogger(__name__)
@@ -52,19 +55,27 @@ class _ASGIEndpoint:
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], chat_template: str | None,
-              metrics_app: ASGIApp | None = None, trace_dir: str = DEFAULT_TRACE_DIR) -> FastAPI:
+              metrics_app: ASGIApp | None = None, trace_dir: str = DEFAULT_TRACE_DIR,
+              options: FrontendOptions | None = None, api_keys: list[str] | None = None,
+              allowed_origins: list[str] | None = None, root_path: str = "") -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_names`` (the first one is the default).
 
     ``chat_template`` (file or template string) replaces the model's template; a bad value raises ValueError.
     ``metrics_app`` is served at ``/metrics``; when None, ``ascent.metrics.prometheus.make_metrics_app`` builds one
-    if that module is importable. ``trace_dir`` is where ``/start_profile`` writes traces.
+    if that module is importable. ``trace_dir`` is where ``/start_profile`` writes traces. ``api_keys``: the
+    ``/v1`` routes need ``Authorization: Bearer <key>`` (vLLM's 401 otherwise); ``allowed_origins``: CORS origins
+    (default every origin, as vLLM).
     """
     chat_template = load_chat_template(chat_template) if chat_template is not None else None
-    app = FastAPI(title="ascent OpenAI-compatible server", version=ascent.__version__)
-    app.state.completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
-    app.state.chat = OpenAIServingChat(engine, served_model_names, chat_template)
-    app.state.tokens = OpenAIServingTokenization(engine, served_model_names, chat_template)
+    app = FastAPI(title="ascent OpenAI-compatible server", version=ascent.__version__, root_path=root_path)
+    app.state.completion = OpenAIServingCompletion(engine, served_model_names, chat_template, options)
+    app.state.chat = OpenAIServingChat(engine, served_model_names, chat_template, options)
+    app.state.tokens = OpenAIServingTokenization(engine, served_model_names, chat_template, options)
     app.state.trace_dir = trace_dir
+    app.add_middleware(CORSMiddleware, allow_origins=allowed_origins or ["*"], allow_methods=["*"],
+                       allow_headers=["*"])
+    if api_keys:
+        _add_api_key_check(app, api_keys, root_path)
     _add_error_handlers(app)
     _add_openai_routes(app)
     _add_service_routes(app, engine, served_model_names)
@@ -98,9 +109,33 @@ def error_json(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST, param:
     return to_response(ErrorResponse.create(message, status, param=param))
 
 
+def _add_api_key_check(app: FastAPI, api_keys: list[str], root_path: str) -> None:
+    """``--api-key``: every ``/v1`` route needs ``Authorization: Bearer <one of the keys>`` (vLLM's middleware:
+    other routes and CORS preflights pass)."""
+    expected = [f"Bearer {key}".encode() for key in api_keys]
+
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next: Any) -> Response:
+        if request.method == "OPTIONS" or not request.url.path.startswith(f"{root_path}/v1"):
+            return await call_next(request)
+        given = request.headers.get("Authorization", "").encode()
+        if not any(secrets.compare_digest(given, key) for key in expected):
+            return JSONResponse({"error": "Unauthorized"}, status_code=HTTPStatus.UNAUTHORIZED)
+        return await call_next(request)
+
+
+async def _require_json(raw_request: Request) -> None:
+    """vLLM's ``validate_json_request``: request bodies must be JSON (415 otherwise, not a confusing 400)."""
+    media_type = raw_request.headers.get("content-type", "").lower().split(";")[0].strip()
+    if media_type != "application/json":
+        raise HTTPException(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "Unsupported Media Type: Only 'application/json' is allowed")
+
+
 def _invalid_param(exc: RequestValidationError) -> str | None:
-    """The request field the first validation error is about (None for whole-request checks)."""
+    """The request field the first validation error is about (None for whole-request checks and bad JSON)."""
     for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            return None
         fields = [str(x) for x in err.get("loc", ()) if x != "body"]
         if fields:
             return fields[0]
@@ -134,19 +169,21 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_openai_routes(app: FastAPI) -> None:
-    @app.post("/v1/completions")
+    json_only = [Depends(_require_json)]
+
+    @app.post("/v1/completions", dependencies=json_only)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return to_response(await app.state.completion.create_completion(request, raw_request))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=json_only)
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return to_response(await app.state.chat.create_chat_completion(request, raw_request))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=json_only)
     async def tokenize(request: TokenizeRequest) -> Response:
         return to_response(app.state.tokens.tokenize(request))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=json_only)
     async def detokenize(request: DetokenizeRequest) -> Response:
         return to_response(app.state.tokens.detokenize(request))
 
@@ -158,6 +195,10 @@ def _add_service_routes(app: FastAPI, engine: AsyncLLM, served_model_names: list
     async def health() -> Response:
         ready = engine.is_ready and not engine.errored
         return Response(status_code=HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:  # vLLM's SageMaker health route
+        return await health()
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -200,8 +241,37 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     server.add_argument("--trace-dir", default=DEFAULT_TRACE_DIR, help="where /start_profile writes traces")
+    _add_frontend_args(server)
     EngineArgs.add_cli_args(parser)
     return parser
+
+
+def _add_frontend_args(server: Any) -> None:
+    """vLLM's frontend flags (``vllm serve``): authentication, CORS, proxying, request logging, usage."""
+    server.add_argument("--api-key", nargs="+", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLLM_API_KEY, else none)")
+    server.add_argument("--allowed-origins", nargs="+", default=["*"], help="CORS origins (default: all)")
+    server.add_argument("--root-path", default="", help="path prefix when served behind a path-routing proxy")
+    server.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of host:port")
+    server.add_argument("--response-role", default="assistant", help="role of replies after a generation prompt")
+    server.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
+                        help="accepted for vLLM compatibility: string and OpenAI-part content both render as text")
+    server.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                        help="log every request's prompt and sampling params")
+    server.add_argument("--disable-log-requests", action="store_true", help="(deprecated in vLLM) the default")
+    server.add_argument("--max-log-len", type=int, default=None,
+                        help="prompt characters / token ids logged per request (default: all)")
+    server.add_argument("--enable-force-include-usage", action="store_true",
+                        help="every stream ends with a usage chunk, asked for or not")
+    server.add_argument("--disable-uvicorn-access-log", action="store_true", help="no per-request access log lines")
+
+
+def frontend_options(args: argparse.Namespace) -> FrontendOptions:
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"max_log_len={args.max_log_len} is invalid: must be >= 0.")
+    return FrontendOptions(response_role=args.response_role,
+                           log_requests=args.enable_log_requests and not args.disable_log_requests,
+                           max_log_len=args.max_log_len, force_include_usage=args.enable_force_include_usage)
 
 
 def resolve_model_arg(args: argparse.Namespace) -> str | None:
@@ -218,10 +288,14 @@ def run_server(args: argparse.Namespace) -> int:
 
     args.model = resolve_model_arg(args)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    options = frontend_options(args)
+    api_keys = args.api_key or ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else None)
     engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
     try:
-        app = build_app(engine, names, args.chat_template, trace_dir=args.trace_dir)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        app = build_app(engine, names, args.chat_template, trace_dir=args.trace_dir, options=options,
+                        api_keys=api_keys, allowed_origins=args.allowed_origins, root_path=args.root_path)
+        config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, log_level=args.uvicorn_log_level,
+                                access_log=not args.disable_uvicorn_access_log, root_path=args.root_path)
         _run_until_signal(uvicorn.Server(config))
     finally:
         engine.shutdown()

@@ -126,6 +126,7 @@ class _SamplingRequest(OpenAIBaseModel):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     response_format: dict[str, Any] | None = None
+    request_id: str | None = None  # the response id's base (an X-Request-Id header wins), vLLM's field
 
     @model_validator(mode="before")
     @classmethod
@@ -227,6 +228,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     max_tokens: int | None = 16
     suffix: str | None = None
+    add_special_tokens: bool = True  # e.g. the tokenizer's BOS before the prompt text
 
     @model_validator(mode="after")
     def _check_completion(self) -> "CompletionRequest":
@@ -325,6 +327,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # the last message's content before the reply when it has the reply's role (vLLM)
+    add_special_tokens: bool = False  # the template already placed them
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -428,14 +432,18 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None  # default: True for prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
 
     @model_validator(mode="after")
     def _check_one(self) -> "TokenizeRequest":
         _reject_request_template(self.chat_template)
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of prompt and messages must be given.")
+        if self.continue_final_message and self.add_generation_prompt and self.messages is not None:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
         return self
 
 
@@ -443,6 +451,7 @@ class TokenizeResponse(OpenAIBaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(OpenAIBaseModel):

@@ -24,12 +24,12 @@ from ascent.entrypoints.openai.protocol import (
     DeltaMessage,
     ErrorResponse,
     make_usage,
-    random_uuid,
     sse_event,
 )
 from ascent.entrypoints.openai.serving_tokens import OpenAIServing, run_until_disconnected
 from ascent.outputs import Logprob, RequestOutput, SampleLogprobs
 from ascent.sampling_params import SamplingParams
+from ascent.tokenizer import normalize_messages
 
 ChatResult = ChatCompletionResponse | ErrorResponse | AsyncGenerator[str, None] | None
 
@@ -47,27 +47,41 @@ class OpenAIServingChat(OpenAIServing):
             prompt, token_ids, params = self._prepare(request)
         except ValueError as exc:
             return ErrorResponse.create(str(exc))
-        request_id = f"chatcmpl-{random_uuid()}"
+        request_id = f"chatcmpl-{self.base_request_id(raw_request, request.request_id)}"
+        self.force_usage(request)
+        self.log_request(request_id, prompt, token_ids, params)
         stream = self.engine.generate({"prompt": prompt, "prompt_token_ids": token_ids}, params, request_id,
                                       request.priority)
         header = dict(id=request_id, created=int(time.time()), model=self.model_name(request.model))
+        role = self._role(request)
         if request.stream:
-            return self._stream(request, len(token_ids), stream, header)
-        return await run_until_disconnected(raw_request, self._full(request, stream, header))
+            return self._stream(request, len(token_ids), stream, header, role)
+        return await run_until_disconnected(raw_request, self._full(request, stream, header, role))
 
     def _prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
         prompt = self.render_chat(request.messages, request.add_generation_prompt, request.chat_template_kwargs,
                                   request.continue_final_message)
-        token_ids = self.encode(prompt, add_special_tokens=False)  # the template placed the special tokens
+        token_ids = self.encode(prompt, add_special_tokens=request.add_special_tokens)
         token_ids = self.truncate(token_ids, request.truncate_prompt_tokens)
         self.check_prompt(token_ids)
         params = request.to_sampling_params(self.default_max_tokens(token_ids), self.sampling_defaults)
         self.check_params(token_ids, params)
         return prompt, token_ids, params
 
+    def _role(self, request: ChatCompletionRequest) -> str:
+        """The reply's role (vLLM): ``--response-role`` after a generation prompt, else the last message's role."""
+        return self.response_role if request.add_generation_prompt else request.messages[-1]["role"]
+
+    def _echo(self, request: ChatCompletionRequest, role: str) -> str:
+        """``echo``: the last message's text when it has the reply's role (it is the start of the reply), else ""."""
+        last = request.messages[-1]
+        if not request.echo or last.get("role") != role:
+            return ""
+        return normalize_messages([last])[0]["content"]
+
     # ------------------------------------------------------------------------------------------------ non-stream
     async def _full(self, request: ChatCompletionRequest, stream: AsyncIterator[RequestOutput],
-                    header: dict) -> ChatCompletionResponse | ErrorResponse:
+                    header: dict, role: str) -> ChatCompletionResponse | ErrorResponse:
         final: RequestOutput | None = None
         try:
             async with aclosing(stream):
@@ -81,7 +95,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = [
             ChatCompletionResponseChoice(
                 index=out.index,
-                message=ChatMessage(role="assistant", content=out.text),
+                message=ChatMessage(role=role, content=self._echo(request, role) + out.text),
                 logprobs=self._logprobs(request, out.logprobs),
                 finish_reason=out.finish_reason,
                 stop_reason=out.stop_reason,
@@ -96,7 +110,7 @@ class OpenAIServingChat(OpenAIServing):
 
     # ------------------------------------------------------------------------------------------------ stream
     async def _stream(self, request: ChatCompletionRequest, num_prompt_tokens: int,
-                      stream: AsyncIterator[RequestOutput], header: dict) -> AsyncGenerator[str, None]:
+                      stream: AsyncIterator[RequestOutput], header: dict, role: str) -> AsyncGenerator[str, None]:
         num_tokens = [0] * request.n
         first = True
         try:
@@ -104,11 +118,14 @@ class OpenAIServingChat(OpenAIServing):
                 async for result in stream:
                     if first:  # the role opens every choice once the engine accepted the request
                         first = False
+                        echo = self._echo(request, role)
                         for index in range(request.n):
-                            chunk = self._chunk(header, index, DeltaMessage(role="assistant", content=""))
+                            chunk = self._chunk(header, index, DeltaMessage(role=role, content=""))
                             if request.continuous_usage:
                                 chunk.usage = make_usage(num_prompt_tokens, 0)
                             yield sse_event(chunk)
+                            if echo:
+                                yield sse_event(self._chunk(header, index, DeltaMessage(content=echo)))
                     for out in result.outputs:
                         num_tokens[out.index] += len(out.token_ids)
                         chunk = self._chunk(header, out.index, DeltaMessage(content=out.text),

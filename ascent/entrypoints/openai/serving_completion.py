@@ -20,7 +20,6 @@ from ascent.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     ErrorResponse,
     make_usage,
-    random_uuid,
     sse_event,
 )
 from ascent.entrypoints.openai.serving_tokens import OpenAIServing, merge_async_iterators, run_until_disconnected
@@ -59,7 +58,10 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = self._prepare(request)
         except ValueError as exc:
             return ErrorResponse.create(str(exc))
-        request_id = f"cmpl-{random_uuid()}"
+        request_id = f"cmpl-{self.base_request_id(raw_request, request.request_id)}"
+        self.force_usage(request)
+        for i, p in enumerate(prompts):
+            self.log_request(request_id if len(prompts) == 1 else f"{request_id}-{i}", p.text, p.token_ids, p.params)
         streams = [
             self.engine.generate({"prompt": p.text, "prompt_token_ids": p.token_ids}, p.params,
                                  request_id if len(prompts) == 1 else f"{request_id}-{i}", request.priority)
@@ -76,7 +78,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise ValueError("prompt must contain at least one prompt.")
         prompts = []
         for raw in raw_prompts:
-            text, ids = (raw, self.encode(raw)) if isinstance(raw, str) else (None, list(raw))
+            text, ids = ((raw, self.encode(raw, request.add_special_tokens)) if isinstance(raw, str)
+                         else (None, list(raw)))
             ids = self.truncate(ids, request.truncate_prompt_tokens)
             self.check_prompt(ids)
             params = request.to_sampling_params(self.default_max_tokens(ids), self.sampling_defaults)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+from dataclasses import dataclass
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from http import HTTPStatus
 from typing import Any, TypeVar
@@ -18,14 +20,27 @@ from ascent.entrypoints.openai.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     PromptLogprob,
+    StreamOptions,
     TokenizeRequest,
     TokenizeResponse,
+    random_uuid,
 )
 from ascent.outputs import PromptLogprobs
 from ascent.sampling_params import SamplingParams, truncate_prompt
 from ascent.tokenizer import apply_chat_template, normalize_messages
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FrontendOptions:
+    """Server-wide request handling (``ascent serve`` flags with vLLM's names)."""
+
+    response_role: str = "assistant"  # --response-role: the reply's role after a generation prompt
+    log_requests: bool = False  # --enable-log-requests
+    max_log_len: int | None = None  # --max-log-len: prompt characters / token ids logged per request
+    force_include_usage: bool = False  # --enable-force-include-usage: streams end with a usage chunk
 
 # Parameters of ``tokenizer.apply_chat_template`` that decide how (not with what) the template renders.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -36,12 +51,15 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 class OpenAIServing:
     """State and checks common to the OpenAI handlers (one instance per route family, all sharing the engine)."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], chat_template: str | None,
+                 options: FrontendOptions | None = None) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model.")
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.chat_template = chat_template
+        self.options = options or FrontendOptions()
+        self.response_role = self.options.response_role
         self.tokenizer = engine.tokenizer
         self.max_model_len: int = engine.model_config.max_model_len
         self.vocab_size: int = engine.model_config.vocab_size
@@ -49,15 +67,37 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------------------------ model names
     def check_model(self, model: str | None) -> ErrorResponse | None:
-        """None when ``model`` is served (or omitted), else a 404 error naming it."""
-        if model is None or model in self.served_model_names:
+        """None when ``model`` is served (or omitted / empty: the default model, as vLLM), else a 404 naming it."""
+        if not model or model in self.served_model_names:
             return None
         return ErrorResponse.create(
             f"The model `{model}` does not exist. Served models: {self.served_model_names}.",
             HTTPStatus.NOT_FOUND, param="model")
 
     def model_name(self, model: str | None) -> str:
-        return model if model is not None else self.served_model_names[0]
+        return model or self.served_model_names[0]
+
+    @staticmethod
+    def base_request_id(raw_request: Request | None, body_request_id: str | None) -> str:
+        """The base of a response id (vLLM): the ``X-Request-Id`` header, else the body's ``request_id``, else
+        random."""
+        default = body_request_id or random_uuid()
+        return raw_request.headers.get("X-Request-Id", default) if raw_request is not None else default
+
+    def log_request(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams) -> None:
+        """``--enable-log-requests``: the prompt (cut at ``--max-log-len``) and the sampling params at INFO."""
+        if not self.options.log_requests:
+            return
+        cut = self.options.max_log_len
+        text = prompt[:cut] if prompt is not None and cut is not None else prompt
+        ids = token_ids[:cut] if cut is not None else token_ids
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", request_id, text, params, ids)
+
+    def force_usage(self, request: Any) -> None:
+        """``--enable-force-include-usage``: a stream ends with a usage chunk even when the client did not ask."""
+        if self.options.force_include_usage and request.stream and not request.include_usage:
+            continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
+            request.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=continuous)
 
     # ------------------------------------------------------------------------------------------------ prompts
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
@@ -190,7 +230,8 @@ class OpenAIServingTokenization(OpenAIServing):
             return error
         try:
             if request.messages is not None:
-                text = self.render_chat(request.messages, request.add_generation_prompt, request.chat_template_kwargs)
+                text = self.render_chat(request.messages, request.add_generation_prompt, request.chat_template_kwargs,
+                                        request.continue_final_message)
                 default_special = False  # the template already placed the special tokens
             else:
                 text, default_special = request.prompt, True
@@ -198,7 +239,8 @@ class OpenAIServingTokenization(OpenAIServing):
             tokens = self.encode(text, add_special_tokens=special)
         except ValueError as exc:
             return ErrorResponse.create(str(exc))
-        return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
+        strs = self.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens, token_strs=strs)
 
     def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse | ErrorResponse:
         error = self.check_model(request.model)
