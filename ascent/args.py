@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import numbers
 import re
 import types
@@ -85,6 +86,11 @@ class EngineArgs:
     max_model_len: int | None = field(default=None, metadata=_opt(
         "maximum context length (prompt + output); accepts 4096, 32k, 32K", parse=cli_int_arg("max_model_len")))
     seed: int = field(default=0, metadata=_opt("engine random seed"))
+    generation_config: str = field(default="auto", metadata=_opt(
+        "default sampling values and EOS ids: 'auto' (the model's generation_config.json), 'vllm' (none) or a "
+        "directory holding a generation_config.json"))
+    override_generation_config: str | dict | None = field(default=None, metadata=_opt(
+        "JSON merged over the generation config, e.g. '{\"temperature\": 0.5}'"))
     max_logprobs: int = field(default=20, metadata=_opt(
         "most logprobs / prompt_logprobs per token a request may ask for (-1 = the whole vocabulary)"))
     block_size: int | None = field(default=None, metadata=_opt(
@@ -170,6 +176,9 @@ class EngineArgs:
             seed=self.seed,
             quantization=self.quantization,
             max_logprobs=self.max_logprobs,
+            generation_config=self.generation_config,
+            override_generation_config=_parse_json_object("override_generation_config",
+                                                          self.override_generation_config),
             hf_config=hf_config,
             torch_dtype=_resolve_dtype(device_config, hf_config, self.dtype),
         )
@@ -228,6 +237,20 @@ def _parse_speculative_config(value: Any) -> Any:
     if isinstance(value, SpeculativeConfig):
         return value
     return SpeculativeConfig.from_json(value)
+
+
+def _parse_json_object(name: str, value: str | dict | None) -> dict[str, Any]:
+    """A JSON object option (a dict or its JSON text); ValueError naming the option otherwise."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}={value!r} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}={value!r} is invalid: must be a JSON object.")
+    return value
 
 
 def _parse_eplb_config(value: Any) -> Any:

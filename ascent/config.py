@@ -33,6 +33,8 @@ class ModelConfig:
     chat_template: str | None = None
     quantization: str | None = None  # None / "auto" = detect from the checkpoint (vLLM semantics); "none" = float
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for (-1: no limit), as vLLM
+    generation_config: str = "auto"  # where default sampling values / EOS ids come from: auto | vllm | a directory
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
     hf_config: Any = field(default=None, repr=False)
     torch_dtype: torch.dtype = field(default=torch.float32, repr=False)
     eos_token_ids: set[int] = field(default_factory=set, repr=False)

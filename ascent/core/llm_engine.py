@@ -30,7 +30,7 @@ class LLMEngine:
         self.config = config
         mc = config.model_config
         self.tokenizer = get_tokenizer(mc.model, mc.tokenizer, mc.chat_template)
-        mc.eos_token_ids = get_eos_token_ids(mc.model, self.tokenizer)
+        mc.eos_token_ids = get_eos_token_ids(mc.model, self.tokenizer, generation_config=mc.generation_config)
         self.engine_core = EngineCore(config)
         self.log_stats = (not config.disable_log_stats) if log_stats is None else log_stats
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
@@ -59,7 +59,8 @@ class LLMEngine:
         """SamplingParams keywords from the model's ``generation_config.json`` (vLLM's default sampling params);
         read once, a fresh dict per call."""
         if self._generation_defaults is None:
-            values = get_generation_defaults(self.config.model_config.model)
+            mc = self.config.model_config
+            values = get_generation_defaults(mc.model, mc.generation_config, mc.override_generation_config)
             if "max_new_tokens" in values:
                 values["max_tokens"] = values.pop("max_new_tokens")
             self._generation_defaults = values

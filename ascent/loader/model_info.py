@@ -74,8 +74,16 @@ def _text_config(hf_config: Any) -> Any:
     return get_text_config() if callable(get_text_config) else hf_config
 
 
-def read_generation_config(model_path: str) -> dict[str, Any]:
-    """Contents of ``generation_config.json`` in a model directory; empty for GGUF files or when absent."""
+def read_generation_config(model_path: str, source: str = "auto") -> dict[str, Any]:
+    """Contents of ``generation_config.json``; ``source`` is vLLM's ``--generation-config``: "auto" (the model
+    directory's; empty for GGUF files or when absent), "vllm" (none: empty) or a directory holding one (ValueError
+    when it does not)."""
+    if source == "vllm":
+        return {}
+    if source != "auto":
+        if not os.path.isfile(os.path.join(source, GENERATION_CONFIG_FILE)):
+            raise ValueError(f"generation_config={source!r} is not a directory with a {GENERATION_CONFIG_FILE}")
+        model_path = source
     if not os.path.isdir(model_path):
         return {}
     path = os.path.join(model_path, GENERATION_CONFIG_FILE)
@@ -103,25 +111,28 @@ def _as_ids(value: Any, source: str) -> set[int]:
     return ids
 
 
-def get_eos_token_ids(model_path: str, tokenizer: Any, hf_config: Any | None = None) -> set[int]:
+def get_eos_token_ids(model_path: str, tokenizer: Any, hf_config: Any | None = None,
+                      generation_config: str = "auto") -> set[int]:
     """Stop-token set: tokenizer EOS ∪ every ``generation_config.json`` ``eos_token_id`` ∪ the config's EOS.
 
     For a GGUF file the config EOS is the metadata ``tokenizer.ggml.eos_token_id``. ``hf_config`` avoids re-reading
-    the config when the caller already has it.
+    the config when the caller already has it; ``generation_config`` as in :func:`read_generation_config`.
     """
     ids = _as_ids(getattr(tokenizer, "eos_token_id", None), "the tokenizer")
-    ids |= _as_ids(read_generation_config(model_path).get("eos_token_id"), GENERATION_CONFIG_FILE)
+    ids |= _as_ids(read_generation_config(model_path, generation_config).get("eos_token_id"), GENERATION_CONFIG_FILE)
     config = hf_config if hf_config is not None else load_hf_config(model_path)
     ids |= _as_ids(getattr(_text_config(config), "eos_token_id", None), "the model config")
     return ids
 
 
-def get_generation_defaults(model_path: str) -> dict[str, Any]:
-    """Default sampling values from ``generation_config.json`` (keys of ``GENERATION_DEFAULT_KEYS`` that are set).
+def get_generation_defaults(model_path: str, generation_config: str = "auto",
+                            overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Default sampling values from ``generation_config.json`` (keys of ``GENERATION_DEFAULT_KEYS`` that are set),
+    updated with ``overrides`` (vLLM's ``--override-generation-config``).
 
     Keys keep the HF names (``max_new_tokens`` is vLLM's ``max_tokens``). Empty for GGUF files.
     """
-    config = read_generation_config(model_path)
+    config = {**read_generation_config(model_path, generation_config), **(overrides or {})}
     return {key: config[key] for key in GENERATION_DEFAULT_KEYS if config.get(key) is not None}
 
 

@@ -58,6 +58,32 @@ def test_generation_config_gives_the_default_sampling_params(tiny_llama_dir, tmp
                                          use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_generation_config_source_and_overrides(tiny_llama_dir, tmp_path):
+    """vLLM's --generation-config auto | vllm | DIR and --override-generation-config."""
+    from ascent.loader.model_info import get_generation_defaults, read_generation_config
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 7, "eos_token_id": [2, 9]}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_p": 0.5}))
+    assert get_generation_defaults(str(model)) == {"temperature": 0.3, "top_k": 7}
+    assert get_generation_defaults(str(model), "vllm") == {}
+    assert get_generation_defaults(str(model), str(other)) == {"top_p": 0.5}
+    assert get_generation_defaults(str(model), "auto", {"temperature": 0.9, "max_new_tokens": 5}) == {
+        "temperature": 0.9, "top_k": 7, "max_new_tokens": 5}
+    with pytest.raises(ValueError, match="generation_config='/nowhere'"):
+        read_generation_config(str(model), "/nowhere")
+    llm = LLM(model=str(model), dtype="float32", max_model_len=64, disable_log_stats=True, generation_config="vllm",
+              override_generation_config='{"max_new_tokens": 4}')
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (1.0, 0, 4)
+    assert 9 not in llm.llm_engine.model_config.eos_token_ids  # no generation_config EOS with "vllm"
+    with pytest.raises(ValueError, match="override_generation_config"):
+        LLM(model=str(model), override_generation_config="[1]")
+
+
 def test_best_of_other_than_n_is_rejected():
     with pytest.raises(ValueError, match="best_of"):
         SamplingParams(n=1, best_of=3)
