@@ -141,3 +141,18 @@ def test_serve_parses_vllms_frontend_flags():
     assert frontend_options(args) == FrontendOptions("bot", True, 5, True) and args.disable_uvicorn_access_log
     with pytest.raises(ValueError, match="max_log_len=-1"):
         frontend_options(add_serve_args(argparse.ArgumentParser()).parse_args(["--max-log-len", "-1"]))
+
+
+def test_prompt_tokens_details_report_cached_prompt_tokens(server):
+    client = _client(server, options=FrontendOptions(prompt_tokens_details=True))
+    prompt = "Paged attention stores keys and values in fixed-size blocks. " * 3
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1}
+    client.post("/v1/completions", json=body)  # fills the prefix cache
+    usage = client.post("/v1/completions", json=body).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 16  # at least one full block was a hit
+    events = client.post("/v1/completions", json={**body, "stream": True,
+                                                  "stream_options": {"include_usage": True}}).text.split("\n\n")
+    final = [json.loads(e[6:]) for e in events if e.startswith("data: {")][-1]
+    assert final["usage"]["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+    plain = _client(server).post("/v1/completions", json=body).json()["usage"]
+    assert plain["prompt_tokens_details"] is None

@@ -68,10 +68,15 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None  # with --enable-prompt-tokens-details
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:

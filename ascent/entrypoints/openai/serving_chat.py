@@ -102,7 +102,8 @@ class OpenAIServingChat(OpenAIServing):
             )
             for out in sorted(final.outputs, key=lambda o: o.index)
         ]
-        usage = make_usage(len(final.prompt_token_ids), sum(len(o.token_ids) for o in final.outputs))
+        usage = self.with_details(make_usage(len(final.prompt_token_ids), sum(len(o.token_ids) for o in final.outputs)),
+                                  final.num_cached_tokens or 0)
         response = ChatCompletionResponse(**header, choices=choices, usage=usage)
         if request.prompt_logprobs is not None:
             response.prompt_logprobs = self.prompt_logprobs(final.prompt_logprobs)
@@ -112,10 +113,11 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(self, request: ChatCompletionRequest, num_prompt_tokens: int,
                       stream: AsyncIterator[RequestOutput], header: dict, role: str) -> AsyncGenerator[str, None]:
         num_tokens = [0] * request.n
-        first = True
+        first, cached = True, 0
         try:
             async with aclosing(stream):
                 async for result in stream:
+                    cached = result.num_cached_tokens or cached
                     if first:  # the role opens every choice once the engine accepted the request
                         first = False
                         echo = self._echo(request, role)
@@ -135,7 +137,7 @@ class OpenAIServingChat(OpenAIServing):
                             chunk.usage = make_usage(num_prompt_tokens, num_tokens[out.index])
                         yield sse_event(chunk)
             if request.include_usage:
-                usage = make_usage(num_prompt_tokens, sum(num_tokens))
+                usage = self.with_details(make_usage(num_prompt_tokens, sum(num_tokens)), cached)
                 yield sse_event(ChatCompletionStreamResponse(**header, choices=[], usage=usage))
         except ValueError as exc:
             yield sse_event(ErrorResponse.create(str(exc)))

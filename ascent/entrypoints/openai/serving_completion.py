@@ -112,15 +112,18 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(choice)
                 num_generated += 0 if request.echo_without_generation else len(out.token_ids)
         num_prompt = sum(len(p.token_ids) for p in prompts)
-        return CompletionResponse(**header, choices=choices, usage=make_usage(num_prompt, num_generated))
+        usage = self.with_details(make_usage(num_prompt, num_generated), sum(r.num_cached_tokens or 0 for r in finals))
+        return CompletionResponse(**header, choices=choices, usage=usage)
 
     # ------------------------------------------------------------------------------------------------ stream
     async def _stream(self, request: CompletionRequest, prompts: list[_Prompt],
                       streams: list[AsyncIterator[RequestOutput]], header: dict) -> AsyncGenerator[str, None]:
         states = [_Choice() for _ in range(len(prompts) * request.n)]
+        cached = [0] * len(prompts)
         try:
             async with aclosing(merge_async_iterators(*streams)) as merged:
                 async for i, result in merged:
+                    cached[i] = result.num_cached_tokens or cached[i]
                     for out in result.outputs:
                         index = i * request.n + out.index
                         state = states[index]
@@ -132,7 +135,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         yield sse_event(chunk)
             if request.include_usage:
                 num_prompt = sum(len(p.token_ids) for p in prompts)
-                usage = make_usage(num_prompt, sum(s.num_tokens for s in states))
+                usage = self.with_details(make_usage(num_prompt, sum(s.num_tokens for s in states)), sum(cached))
                 yield sse_event(CompletionStreamResponse(**header, choices=[], usage=usage))
         except ValueError as exc:
             yield sse_event(ErrorResponse.create(str(exc)))

@@ -20,9 +20,11 @@ from ascent.entrypoints.openai.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     PromptLogprob,
+    PromptTokenUsageInfo,
     StreamOptions,
     TokenizeRequest,
     TokenizeResponse,
+    UsageInfo,
     random_uuid,
 )
 from ascent.outputs import PromptLogprobs
@@ -41,6 +43,7 @@ class FrontendOptions:
     log_requests: bool = False  # --enable-log-requests
     max_log_len: int | None = None  # --max-log-len: prompt characters / token ids logged per request
     force_include_usage: bool = False  # --enable-force-include-usage: streams end with a usage chunk
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage reports cached prompt tokens
 
 # Parameters of ``tokenizer.apply_chat_template`` that decide how (not with what) the template renders.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -92,6 +95,12 @@ class OpenAIServing:
         text = prompt[:cut] if prompt is not None and cut is not None else prompt
         ids = token_ids[:cut] if cut is not None else token_ids
         logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", request_id, text, params, ids)
+
+    def with_details(self, usage: UsageInfo, cached_tokens: int) -> UsageInfo:
+        """``--enable-prompt-tokens-details``: the usage with the prompt tokens the prefix cache served."""
+        if self.options.prompt_tokens_details:
+            usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached_tokens)
+        return usage
 
     def force_usage(self, request: Any) -> None:
         """``--enable-force-include-usage``: a stream ends with a usage chunk even when the client did not ask."""
