@@ -156,3 +156,19 @@ def test_prompt_tokens_details_report_cached_prompt_tokens(server):
     assert final["usage"]["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
     plain = _client(server).post("/v1/completions", json=body).json()["usage"]
     assert plain["prompt_tokens_details"] is None
+
+
+def test_tokens_as_token_ids_in_logprobs(server):
+    body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2, "logprobs": 1, "temperature": 0}
+    client = _client(server)
+    plain = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    ids = client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True}).json()
+    tokens = ids["choices"][0]["logprobs"]["tokens"]
+    assert all(t.startswith("token_id:") for t in tokens) and len(tokens) == len(plain["tokens"])
+    server_default = _client(server, options=FrontendOptions(return_tokens_as_token_ids=True))
+    chat = _chat(server_default, messages=HI, logprobs=True, top_logprobs=1).json()["choices"][0]["logprobs"]
+    entry = chat["content"][0]
+    assert entry["token"].startswith("token_id:") and entry["top_logprobs"][0]["token"].startswith("token_id:")
+    assert entry["bytes"] == list(entry["token"].encode())
+    off = _chat(server_default, messages=HI, logprobs=True, return_tokens_as_token_ids=False).json()
+    assert not off["choices"][0]["logprobs"]["content"][0]["token"].startswith("token_id:")

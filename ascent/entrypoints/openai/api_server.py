@@ -264,6 +264,8 @@ def _add_frontend_args(server: Any) -> None:
     server.add_argument("--enable-force-include-usage", action="store_true",
                         help="every stream ends with a usage chunk, asked for or not")
     server.add_argument("--disable-uvicorn-access-log", action="store_true", help="no per-request access log lines")
+    server.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="logprob tokens as 'token_id:<id>' (tokens that are not valid UTF-8 stay identifiable)")
     server.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served")
 
@@ -274,7 +276,8 @@ def frontend_options(args: argparse.Namespace) -> FrontendOptions:
     return FrontendOptions(response_role=args.response_role,
                            log_requests=args.enable_log_requests and not args.disable_log_requests,
                            max_log_len=args.max_log_len, force_include_usage=args.enable_force_include_usage,
-                           prompt_tokens_details=args.enable_prompt_tokens_details)
+                           prompt_tokens_details=args.enable_prompt_tokens_details,
+                           return_tokens_as_token_ids=args.return_tokens_as_token_ids)
 
 
 def resolve_model_arg(args: argparse.Namespace) -> str | None:

@@ -132,6 +132,7 @@ class _SamplingRequest(OpenAIBaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     response_format: dict[str, Any] | None = None
     request_id: str | None = None  # the response id's base (an X-Request-Id header wins), vLLM's field
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:<id>" (default: the server's)
 
     @model_validator(mode="before")
     @classmethod

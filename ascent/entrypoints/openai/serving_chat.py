@@ -160,15 +160,17 @@ class OpenAIServingChat(OpenAIServing):
         if not request.logprobs or logprobs is None:
             return None
         num_top = request.top_logprobs or 0
+        as_ids = self.tokens_as_ids(request)
         content = []
         for entry in logprobs:
             token_id, own = next(iter(entry.items()))  # the sampled token comes first
             ranked = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank is not None and lp.rank <= num_top)
-            top = [self._entry(t, entry[t]) for _, t in ranked]
-            content.append(ChatCompletionLogProbsContent(**self._entry(token_id, own).model_dump(), top_logprobs=top))
+            top = [self._entry(t, entry[t], as_ids) for _, t in ranked]
+            content.append(ChatCompletionLogProbsContent(**self._entry(token_id, own, as_ids).model_dump(),
+                                                         top_logprobs=top))
         return ChatCompletionLogProbs(content=content)
 
-    def _entry(self, token_id: int, logprob: Logprob) -> ChatCompletionLogProb:
-        token = self.token_text(token_id, logprob.decoded_token)
+    def _entry(self, token_id: int, logprob: Logprob, as_id: bool) -> ChatCompletionLogProb:
+        token = self.token_text(token_id, logprob.decoded_token, as_id)
         return ChatCompletionLogProb(token=token, logprob=max(logprob.logprob, -9999.0),
                                      bytes=list(token.encode("utf-8", errors="replace")))

@@ -161,23 +161,23 @@ class OpenAIServingCompletion(OpenAIServing):
             entries = _prompt_entries(result.prompt_logprobs, len(result.prompt_token_ids)) + entries
         logprobs = None
         if request.logprobs is not None:
-            logprobs = self._logprobs(token_ids, entries, state.text_len)
+            logprobs = self._logprobs(token_ids, entries, state.text_len, self.tokens_as_ids(request))
         state.text_len += len(text)
         return CompletionResponseChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
                                         stop_reason=out.stop_reason)
 
     def _logprobs(self, token_ids: list[int], entries: SampleLogprobs | PromptLogprobs,
-                  initial_offset: int) -> CompletionLogProbs:
+                  initial_offset: int, as_ids: bool = False) -> CompletionLogProbs:
         """OpenAI completions logprobs: each token's text, logprob, top alternatives and character offset."""
         result = CompletionLogProbs()
         offset = initial_offset
         for token_id, entry in zip(token_ids, entries):
             own = entry.get(token_id) if entry else None
-            token = self.token_text(token_id, own.decoded_token if own else None)
+            token = self.token_text(token_id, own.decoded_token if own else None, as_ids)
             result.tokens.append(token)
             result.token_logprobs.append(max(own.logprob, -9999.0) if own else None)
             result.top_logprobs.append(
-                {self.token_text(t, lp.decoded_token): max(lp.logprob, -9999.0) for t, lp in entry.items()}
+                {self.token_text(t, lp.decoded_token, as_ids): max(lp.logprob, -9999.0) for t, lp in entry.items()}
                 if entry else None)
             result.text_offset.append(offset)
             offset += len(token)

@@ -44,6 +44,7 @@ class FrontendOptions:
     max_log_len: int | None = None  # --max-log-len: prompt characters / token ids logged per request
     force_include_usage: bool = False  # --enable-force-include-usage: streams end with a usage chunk
     prompt_tokens_details: bool = False  # --enable-prompt-tokens-details: usage reports cached prompt tokens
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: logprob tokens as "token_id:<id>"
 
 # Parameters of ``tokenizer.apply_chat_template`` that decide how (not with what) the template renders.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -164,8 +165,16 @@ class OpenAIServing:
     def default_max_tokens(self, prompt_token_ids: list[int]) -> int:
         return self.max_model_len - len(prompt_token_ids)
 
-    def token_text(self, token_id: int, decoded: str | None = None) -> str:
+    def token_text(self, token_id: int, decoded: str | None = None, as_id: bool = False) -> str:
+        """A token as logprobs show it: its text, or ``token_id:<id>`` (``return_tokens_as_token_ids``)."""
+        if as_id:
+            return f"token_id:{token_id}"
         return decoded if decoded is not None else self.tokenizer.decode([token_id])
+
+    def tokens_as_ids(self, request: Any) -> bool:
+        """The request's ``return_tokens_as_token_ids``, else the server's ``--return-tokens-as-token-ids``."""
+        asked = request.return_tokens_as_token_ids
+        return self.options.return_tokens_as_token_ids if asked is None else asked
 
     def prompt_logprobs(self, entries: PromptLogprobs | None) -> list[dict[int, PromptLogprob] | None]:
         """vLLM's ``prompt_logprobs`` of a response: per prompt token None or {token id: logprob, rank, decoded
