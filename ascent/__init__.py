@@ -20,7 +20,8 @@ from ascent.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt",
+           "__version__"]
 
 
 def __getattr__(name: str):
@@ -37,4 +38,8 @@ def __getattr__(name: str):
         import ascent.outputs as outputs
 
         return getattr(outputs, name)
+    if name in ("TextPrompt", "TokensPrompt"):
+        import ascent.inputs as inputs
+
+        return getattr(inputs, name)
     raise AttributeError(name)

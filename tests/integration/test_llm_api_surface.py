@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ascent import LLM, SamplingParams
-from ascent.inputs import TextPrompt, TokensPrompt
+from ascent import TextPrompt, TokensPrompt
 from ascent.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ascent.sampling_params import RequestOutputKind
 
