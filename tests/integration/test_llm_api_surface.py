@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ascent import LLM, SamplingParams
-from ascent import TextPrompt, TokensPrompt
+from ascent import LLM, SamplingParams, TextPrompt, TokensPrompt
 from ascent.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ascent.sampling_params import RequestOutputKind
 
