@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import numbers
 import re
 import types
@@ -24,6 +23,7 @@ from ascent.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    parse_json_object,
 )
 
 _DECIMAL_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -177,8 +177,8 @@ class EngineArgs:
             quantization=self.quantization,
             max_logprobs=self.max_logprobs,
             generation_config=self.generation_config,
-            override_generation_config=_parse_json_object("override_generation_config",
-                                                          self.override_generation_config),
+            override_generation_config=parse_json_object("override_generation_config",
+                                                         self.override_generation_config or {}),
             hf_config=hf_config,
             torch_dtype=_resolve_dtype(device_config, hf_config, self.dtype),
         )
@@ -237,20 +237,6 @@ def _parse_speculative_config(value: Any) -> Any:
     if isinstance(value, SpeculativeConfig):
         return value
     return SpeculativeConfig.from_json(value)
-
-
-def _parse_json_object(name: str, value: str | dict | None) -> dict[str, Any]:
-    """A JSON object option (a dict or its JSON text); ValueError naming the option otherwise."""
-    if value is None or value == "":
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{name}={value!r} is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name}={value!r} is invalid: must be a JSON object.")
-    return value
 
 
 def _parse_eplb_config(value: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,19 @@ DEFAULT_KV_CACHE_FRACTION = 0.25  # of available RAM/VRAM when --kv-cache-memory
 def _require(cond: bool, name: str, value: Any, why: str) -> None:
     if not cond:
         raise ValueError(f"{name}={value!r} is invalid: {why}.")
+
+
+def parse_json_object(name: str, value: Any) -> dict[str, Any]:
+    """A JSON-object option given as a dict or its JSON text (a copy); ValueError naming the option otherwise."""
+    if isinstance(value, dict):
+        return dict(value)
+    _require(isinstance(value, str), name, value, "must be a JSON object string or a dict")
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name}={value!r} is invalid: not JSON ({e.msg})") from None
+    _require(isinstance(data, dict), name, value, "must be a JSON object")
+    return data
 
 
 @dataclass

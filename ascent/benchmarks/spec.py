@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from ascent.benchmarks.datasets import BenchRequest, length_summary
 from ascent.benchmarks.spec_ceiling import bench_batch_size, first_ceiling, format_ceiling, runner_spec
 from ascent.benchmarks.spec_workloads import (WORKLOADS, build_workloads, non_repetitive_conversations,
                                               repetitive_conversations)
+from ascent.config import parse_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -156,12 +156,7 @@ def parse_dynamic_params(text: str | None) -> dict[str, Any]:
 
     if text is None:
         return dict(DEFAULT_DYNAMIC_PARAMS)
-    try:
-        params = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"dynamic_params={text!r} is invalid: not JSON ({e.msg})") from None
-    if not isinstance(params, dict):
-        raise ValueError(f"dynamic_params={text!r} is invalid: must be a JSON object")
+    params = parse_json_object("dynamic_params", text)
     DynamicSpecParams.from_dict(params)
     return params
 

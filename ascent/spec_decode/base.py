@@ -7,7 +7,6 @@ draft distribution, so verification uses the point-mass rule.
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -16,6 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from ascent.config import parse_json_object
 from ascent.spec_decode.calibration import DraftEvidence
 from ascent.spec_decode.dynamic import DynamicSpecParams, validate_batch_size_schedule
 
@@ -184,7 +184,7 @@ class SpeculativeConfig:
         ``draft_model``. ``num_speculative_tokens`` may be omitted for ``suffix`` (defaults to the tree depth).
         Raises ValueError naming unknown keys, malformed JSON and bad values.
         """
-        data = _parse_json_object(value)
+        data = parse_json_object("speculative_config", value)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -196,20 +196,6 @@ class SpeculativeConfig:
         if data.get("num_speculative_tokens") is None:
             _fail("num_speculative_tokens", None, f"is required for method {data['method']!r}")
         return cls(**data)
-
-
-def _parse_json_object(value: str | dict[str, Any]) -> dict[str, Any]:
-    if isinstance(value, dict):
-        return dict(value)
-    if not isinstance(value, str):
-        _fail("speculative_config", value, "must be a JSON object string or a dict")
-    try:
-        data = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"speculative_config={value!r} is invalid: not JSON ({e.msg})") from None
-    if not isinstance(data, dict):
-        _fail("speculative_config", value, "must be a JSON object")
-    return data
 
 
 def _infer_method(model: Any) -> str:
