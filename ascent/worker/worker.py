@@ -47,7 +47,12 @@ class Worker:
         per_block = self.model_runner.kv_cache_bytes_per_block()
         blocks_per_seq = -(-mc.max_model_len // cc.block_size)
         useful = sc.max_num_seqs * blocks_per_seq + 1
-        if cc.num_gpu_blocks_override is not None:
+        if cc.num_gpu_blocks_override is not None:  # a test knob: not refused (vLLM), but said at start-up
+            if cc.num_gpu_blocks_override - 1 < blocks_per_seq:
+                logger.warning("num_gpu_blocks_override=%d holds %d tokens, fewer than max_model_len=%d: a longer "
+                               "request finishes with 'length' when it outgrows the cache",
+                               cc.num_gpu_blocks_override, (cc.num_gpu_blocks_override - 1) * cc.block_size,
+                               mc.max_model_len)
             return cc.num_gpu_blocks_override
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
