@@ -34,6 +34,9 @@ def rope_parameters_from_config(hf_config: Any) -> dict[str, Any]:
     partial = getattr(hf_config, "partial_rotary_factor", None)
     if partial is not None:
         params.setdefault("partial_rotary_factor", partial)
+    freq_factors = getattr(hf_config, "rope_freq_factors", None)  # GGUF rope_freqs (llama.cpp's freq_factors)
+    if freq_factors is not None:
+        params["freq_factors"] = [float(f) for f in freq_factors]
     top_level_original = getattr(hf_config, "original_max_position_embeddings", None)
     if params["rope_type"] in ROPE_TYPES_WITH_ORIGINAL_MAX and isinstance(top_level_original, int):
         # A top-level pretraining length (Phi-3-style configs) wins over the rope dict's, as transformers'
@@ -97,7 +100,19 @@ def compute_inv_freq(
     """``(inv_freq fp32 [rotary_dim/2], attention_factor, cache_len)`` for a RoPE parameter dict.
 
     ``cache_len`` is the number of positions the cos/sin cache must cover (scaled types extend the context).
+    ``freq_factors`` ([rotary_dim/2], from a GGUF's ``rope_freqs``) divide the frequencies, as in llama.cpp.
     """
+    inv_freq, attention_factor, cache_len = _scaled_inv_freq(rotary_dim, max_position, params)
+    factors = params.get("freq_factors")
+    if factors is not None:
+        if len(factors) != inv_freq.numel():
+            raise ValueError(f"rope freq_factors has {len(factors)} entries, expected rotary_dim / 2 = "
+                             f"{inv_freq.numel()}")
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
+    return inv_freq, attention_factor, cache_len
+
+
+def _scaled_inv_freq(rotary_dim: int, max_position: int, params: dict[str, Any]) -> tuple[torch.Tensor, float, int]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     base = float(params.get("rope_theta", 10000.0))
     original_max = int(params.get("original_max_position_embeddings") or max_position)

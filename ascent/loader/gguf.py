@@ -9,7 +9,6 @@ original HF weights (up to quantization error).
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import re
 from collections.abc import Iterator
@@ -18,8 +17,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -184,8 +181,6 @@ def _rope_parameters(reader: Any, arch: str) -> dict[str, Any]:
     kind = _meta(reader, f"{arch}.rope.scaling.type", "none")
     factor = _meta(reader, f"{arch}.rope.scaling.factor")
     if kind in ("none", None) or (factor in (None, 0.0, 1.0) and kind != "yarn"):
-        if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-            logger.warning("GGUF %s has per-frequency rope factors (rope_freqs); they are not applied", arch)
         return params
     if kind not in ("linear", "yarn"):
         raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (supported: linear, yarn)")
@@ -198,6 +193,15 @@ def _rope_parameters(reader: Any, arch: str) -> dict[str, Any]:
         if value is not None and kind == "yarn":
             params[hf_key] = float(value)
     return params
+
+
+def _rope_freq_factors(reader: Any) -> list[float] | None:
+    """llama.cpp's per-frequency divisors of the rotary frequencies (``rope_freqs.weight`` [rotary_dim / 2]; the
+    converter writes Llama 3.x's llama3 scaling this way), or None."""
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            return [float(v) for v in _dequantize(tensor).reshape(-1)]
+    return None
 
 
 def _head_dim(reader: Any, arch: str, hidden: int, n_head: int) -> int:
@@ -241,6 +245,9 @@ def _config_fields(reader: Any, arch: str) -> dict[str, Any]:
     )
     if arch != "qwen2":
         fields["attention_bias"] = "blk.0.attn_q.bias" in names
+    factors = _rope_freq_factors(reader)
+    if factors is not None:
+        fields["rope_freq_factors"] = factors  # read by ascent.layers.rotary.rope_parameters_from_config
     return fields
 
 

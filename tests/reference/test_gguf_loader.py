@@ -242,3 +242,39 @@ def test_bad_inputs_name_the_value(tmp_path: Path) -> None:
         gguf_to_hf_config(str(path))
     with pytest.raises(ValueError, match="'gpt2'"):
         next(iterate_gguf_weights(str(path)))
+
+
+def test_rope_freqs_tensor_reproduces_llama3_scaling(tmp_path: Path) -> None:
+    """llama.cpp's converter writes Llama 3.x's llama3 rope scaling as ``rope_freqs.weight`` (per-frequency
+    divisors, no scaling metadata); the frequencies must equal transformers' llama3 RoPE of the original config."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ascent.layers.rotary import compute_inv_freq, rope_parameters_from_config
+
+    head, theta = 32, 500000.0
+    hf = LlamaConfig(hidden_size=4 * head, num_attention_heads=4, head_dim=head, max_position_embeddings=1024,
+                     rope_parameters={"rope_type": "llama3", "rope_theta": theta, "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    llama3_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, torch.device("cpu"))
+    base_inv = 1.0 / theta ** (torch.arange(0, head, 2, dtype=torch.float32) / head)
+    path = tmp_path / "llama3.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in (
+        (writer.add_block_count, 1), (writer.add_context_length, 1024), (writer.add_embedding_length, 4 * head),
+        (writer.add_feed_forward_length, 96), (writer.add_head_count, 4), (writer.add_head_count_kv, 2),
+        (writer.add_rope_dimension_count, head), (writer.add_rope_freq_base, theta), (writer.add_vocab_size, 32),
+    ):
+        add(value)
+    writer.add_tensor("token_embd.weight", np.zeros((32, 4 * head), dtype=np.float32))
+    writer.add_tensor("rope_freqs.weight", (base_inv / llama3_inv).numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    params = rope_parameters_from_config(gguf_to_hf_config(str(path)))
+    inv, attention_factor, _ = compute_inv_freq(head, 1024, params)
+    torch.testing.assert_close(inv, llama3_inv, rtol=1e-6, atol=0)
+    assert attention_factor == 1.0 and not torch.allclose(inv, base_inv)  # the factors mattered
+    with pytest.raises(ValueError, match="freq_factors has 3 entries"):
+        compute_inv_freq(head, 1024, {**params, "freq_factors": [1.0, 2.0, 3.0]})
