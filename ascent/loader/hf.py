@@ -31,7 +31,10 @@ def safetensors_files(model_path: str) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     hf_files = [f for f in files if not f.name.startswith("consolidated")]
     if not files:
-        raise ValueError(f"no *.safetensors files in {model_path!r}")
+        pickles = sorted(p.name for p in path.glob("*.bin"))
+        hint = f" ({', '.join(pickles[:3])}: PyTorch pickle checkpoints are not loaded; convert them to " \
+               f"safetensors)" if pickles else ""
+        raise ValueError(f"no *.safetensors files in {model_path!r}{hint}")
     return hf_files or files
 
 

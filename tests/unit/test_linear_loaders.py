@@ -217,3 +217,11 @@ def test_missing_weights_unknown_format_and_dummy(tmp_path) -> None:
     assert all(torch.equal(p, params_a[n]) for n, p in dummy_b.named_parameters())
     assert params_a["model.norm.weight"].eq(1).all() and params_a["lm_head.weight"].abs().max() <= 1e-3
     assert params_a["lm_head.weight"].dtype == torch.bfloat16 and params_a["lm_head.weight"].std() > 0
+
+
+def test_pickle_only_checkpoint_is_named_in_the_error(tmp_path) -> None:
+    from ascent.loader.hf import safetensors_files
+
+    torch.save({"w": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"no \*.safetensors files .*pytorch_model.bin: PyTorch pickle"):
+        safetensors_files(str(tmp_path))
