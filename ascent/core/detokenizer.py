@@ -107,7 +107,8 @@ class IncrementalDetokenizer:
     Without a tokenizer, or with ``params.detokenize`` False, only token ids are tracked and the text stays "".
     """
 
-    def __init__(self, tokenizer: Any | None, params: SamplingParams, prompt_token_ids: list[int] | None = None) -> None:
+    def __init__(self, tokenizer: Any | None, params: SamplingParams,
+                 prompt_token_ids: list[int] | None = None) -> None:
         self.token_ids: list[int] = []
         self.text = ""
         self.stop: list[str] = list(params.stop or [])

@@ -86,8 +86,9 @@ class RopeSelfAttention(nn.Module):
                                           prefix=join_prefix(prefix, "qkv_proj"))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=o_bias, params_dtype=dtype,
-                                        quant_config=quant_config, prefix=join_prefix(prefix, "o_proj"))
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, bias=o_bias,
+                                        params_dtype=dtype, quant_config=quant_config,
+                                        prefix=join_prefix(prefix, "o_proj"))
         self.rotary_emb = rotary_emb
         self.qk_norm = qk_norm
         if qk_norm:

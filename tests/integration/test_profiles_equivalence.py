@@ -19,7 +19,7 @@ NEW = 16
 
 def _run(model: str, profile: str, dtype: str, prompts, **kw):
     llm = LLM(model=model, dtype=dtype, hardware_profile=profile, max_model_len=256, disable_log_stats=True,
-              max_num_batched_tokens=64, max_num_seqs=64, **kw)  # a small budget: chunked prefill through every backend path
+              max_num_batched_tokens=64, max_num_seqs=64, **kw)  # small budget: chunked prefill on every backend
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     toks = [list(o.outputs[0].token_ids) for o in outs]

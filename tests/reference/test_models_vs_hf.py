@@ -170,7 +170,8 @@ def test_config_variants_fp32(variant: str, tmp_path_factory: pytest.TempPathFac
     {"type": "yarn", "factor": 4.0},
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
 ])
-def test_top_level_original_max_position_embeddings(rope_scaling: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_top_level_original_max_position_embeddings(rope_scaling: dict,
+                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
     """A Phi-3-style config keeps the pretraining length at the top level, beside a legacy ``rope_scaling``;
     transformers (standardize_rope_params) and vLLM use it over the default the rope dict gets at config load."""
     from ascent.loader.model_info import derive_max_model_len

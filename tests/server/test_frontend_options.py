@@ -49,7 +49,8 @@ def test_cors_allows_every_origin_by_default(server):
 
 def test_bodies_must_be_json(server):
     client = _client(server)
-    form = client.post("/v1/completions", content="prompt=hi", headers={"Content-Type": "application/x-www-form-urlencoded"})
+    form = client.post("/v1/completions", content="prompt=hi",
+                       headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert form.status_code == 415 and "application/json" in form.json()["error"]["message"]
     bad = client.post("/v1/completions", content="{not json", headers={"Content-Type": "application/json"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] is None

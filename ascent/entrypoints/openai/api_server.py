@@ -128,7 +128,8 @@ async def _require_json(raw_request: Request) -> None:
     """vLLM's ``validate_json_request``: request bodies must be JSON (415 otherwise, not a confusing 400)."""
     media_type = raw_request.headers.get("content-type", "").lower().split(";")[0].strip()
     if media_type != "application/json":
-        raise HTTPException(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "Unsupported Media Type: Only 'application/json' is allowed")
+        raise HTTPException(HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                            "Unsupported Media Type: Only 'application/json' is allowed")
 
 
 def _invalid_param(exc: RequestValidationError) -> str | None:
@@ -271,6 +272,7 @@ def _add_frontend_args(server: Any) -> None:
 
 
 def frontend_options(args: argparse.Namespace) -> FrontendOptions:
+    """The request-handling options of the ``ascent serve`` flags (ValueError naming a bad value)."""
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"max_log_len={args.max_log_len} is invalid: must be >= 0.")
     return FrontendOptions(response_role=args.response_role,

@@ -92,10 +92,11 @@ class OpenAIServingChat(OpenAIServing):
         except EngineDeadError as exc:
             return ErrorResponse.create(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
         assert final is not None and final.finished
+        echo = self._echo(request, role)
         choices = [
             ChatCompletionResponseChoice(
                 index=out.index,
-                message=ChatMessage(role=role, content=self._echo(request, role) + out.text),
+                message=ChatMessage(role=role, content=echo + out.text),
                 logprobs=self._logprobs(request, out.logprobs),
                 finish_reason=out.finish_reason,
                 stop_reason=out.stop_reason,

@@ -108,7 +108,8 @@ def test_w4a16_activation_order_weight_g_idx(symmetric):
     if not symmetric:
         ck["weight_zero_point"] = ct_pack(t(zp), 4, 0)
     spec = QuantSpec("W4A16", source_format="compressed-tensors", weight_bits=4, weight_strategy="group",
-                     group_size=128, weight_symmetric=symmetric, extra={"format": "pack-quantized", "actorder": "group"})
+                     group_size=128, weight_symmetric=symmetric,
+                     extra={"format": "pack-quantized", "actorder": "group"})
     layer = build(spec, ck, b)
     assert layer.wo_input_perm is not None and layer.quant_method.decode_stack_call(layer) is None
     w_deq = (q.astype(np.float64) - zp[:, g_idx]) * s[:, g_idx]
