@@ -1,8 +1,8 @@
 // AVX2 + FMA small-M kernels of gemv_cpu.cpp (CPUs without AVX512, e.g. AMD Zen 1-3), included there inside its
-// anonymous namespace after GemvArgs. Up to kSplitXMinRows - 1 x rows: each W row is streamed front to back against
-// the 16-bit x (the memory-bound decode case). From kSplitXMinRows rows on the call is compute-bound, so x is first
-// widened once to fp32 in the split order the W loads produce (GemvArgs::x_split), and tiles of 2 W rows x up to 6
-// x rows spend one FMA per W element and x load instead of re-splitting x for every W row.
+// anonymous namespace after GemvArgs. Up to kSplitXMinRows - 1 x rows (the memory-bound decode case): W rows are
+// read front to back as several side-by-side streams per thread (run_rows_streams_avx2), one x row split inline,
+// several widened once to fp32 (GemvArgs::x_split). From kSplitXMinRows rows on the call is compute-bound: tiles
+// of 2 W rows x up to 6 x_split rows spend one FMA per W element and x load.
 #pragma once
 
 // AVX2 + FMA (CPUs without AVX512, e.g. AMD Zen 1-3): each W row is read front to back, 16 values at a time split
@@ -44,62 +44,85 @@ constexpr int64_t kSeqPrefetchL1 = 1024;  // bytes ahead of the read position pr
 constexpr int64_t kSeqPrefetchL2 = 4096;  // ... and into L2
 constexpr int64_t kSeqPrefetchNta = 896;  // the row sweep's non-temporal prefetch distance
 
-// One W row (n) against MS x rows from m0, reading the row front to back, 32 values per step into four fp32
-// accumulators per x row (two for 3-4 x rows, to stay within 16 registers). Rows are contiguous, so prefetching a
-// fixed distance ahead also covers the next row: on a Zen 2 (K = 576 and 1536, DRAM-resident weights, 2 threads) this
-// sweep streamed 22-24 GB/s where the 4-row blocks reached 18-19 GB/s (torch fp32 sum: 27-28 GB/s). On AMD CPUs one
-// non-temporal prefetch per cache line kSeqPrefetchNta bytes ahead instead of the T0 1 KiB + T1 4 KiB pair: the 120
-// linears of a SmolLM2-135M step 0.81-0.85x the time (28-29 GB/s; distances 640-1280 B alike, 2048 B 0.99x); on
-// Intel CPUs the pair (stream_prefetch.h).
-template <typename T, bool kIsHalf, int MS>
-__attribute__((target("avx2,fma,f16c"))) void gemv_row_seq_avx2(const GemvArgs& a, int64_t n, int64_t m0) {
+// S W rows (rows[0..S)) against MS x rows from m0, each row read front to back 16 values per step, split into two
+// fp32 vectors and FMA'd into NA accumulators per (W row, x row) pair. One x row is split inline once per step and
+// shared by the S rows; several x rows come widened from a.x_split. The S rows lie far apart (the streams of
+// run_rows_streams_avx2), and each stream prefetches one 64-byte line per 32 values (stream_prefetch.h).
+template <typename T, bool kIsHalf, int S, int MS, int NA>
+__attribute__((target("avx2,fma,f16c"))) void gemv_rows_streams_avx2(const GemvArgs& a, const int64_t (&rows)[S],
+                                                                    int64_t m0) {
+  static_assert(NA == 1 || NA == 2, "one accumulator per pair, or one per split half");
   const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.k;
-  const uint16_t* w = static_cast<const uint16_t*>(a.w) + n * a.k;
-  const char* wb = reinterpret_cast<const char*>(w);
-  constexpr int NA = MS <= 2 ? 4 : 2;  // accumulators per x row (16 ymm registers: MS * NA + 4 W + 2 x)
-  __m256 acc[MS][NA];
-  zero_accumulators(acc);
+  const float* xs = a.x_split != nullptr ? a.x_split + m0 * a.k : nullptr;
+  const uint16_t* w[S];
+#pragma GCC unroll 4
+  for (int s = 0; s < S; ++s) w[s] = static_cast<const uint16_t*>(a.w) + rows[s] * a.k;
+  __m256 acc[S][MS][NA];
+#pragma GCC unroll 4
+  for (int s = 0; s < S; ++s) zero_accumulators(acc[s]);
   const bool nta = ascent_prefetch::nta_streams();
+  const auto step = [&](int64_t i) __attribute__((always_inline)) {
+    __m256 x0, x1;  // one x row: split once per step for all S rows
+    if constexpr (MS == 1) split16_256<kIsHalf>(x + i, x0, x1);
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) {
+      __m256 w0, w1;
+      split16_256<kIsHalf>(w[s] + i, w0, w1);
+#pragma GCC unroll 4
+      for (int j = 0; j < MS; ++j) {
+        if constexpr (MS > 1) {  // several: loaded per use from L1 (the registers hold the accumulators)
+          x0 = _mm256_loadu_ps(xs + j * a.k + i);
+          x1 = _mm256_loadu_ps(xs + j * a.k + i + 8);
+        }
+        acc[s][j][0] = _mm256_fmadd_ps(w0, x0, acc[s][j][0]);
+        acc[s][j][NA - 1] = _mm256_fmadd_ps(w1, x1, acc[s][j][NA - 1]);
+      }
+    }
+  };
   int64_t i = 0;
   for (; i + 32 <= a.k; i += 32) {
-    ascent_prefetch::stream_line(wb + 2 * i, nta, kSeqPrefetchNta);
-    __m256 w0, w1, w2, w3;
-    split16_256<kIsHalf>(w + i, w0, w1);
-    split16_256<kIsHalf>(w + i + 16, w2, w3);
-#pragma GCC unroll 8
-    for (int j = 0; j < MS; ++j) {
-      __m256 x0, x1;
-      split16_256<kIsHalf>(x + j * a.k + i, x0, x1);
-      acc[j][0] = _mm256_fmadd_ps(w0, x0, acc[j][0]);
-      acc[j][1] = _mm256_fmadd_ps(w1, x1, acc[j][1]);
-      split16_256<kIsHalf>(x + j * a.k + i + 16, x0, x1);
-      acc[j][2 % NA] = _mm256_fmadd_ps(w2, x0, acc[j][2 % NA]);
-      acc[j][3 % NA] = _mm256_fmadd_ps(w3, x1, acc[j][3 % NA]);
-    }
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) ascent_prefetch::stream_line(reinterpret_cast<const char*>(w[s] + i), nta,
+                                                             kSeqPrefetchNta);
+    step(i);
+    step(i + 16);
   }
   if (i + 16 <= a.k) {
-    __m256 w0, w1;
-    split16_256<kIsHalf>(w + i, w0, w1);
-#pragma GCC unroll 8
-    for (int j = 0; j < MS; ++j) {
-      __m256 x0, x1;
-      split16_256<kIsHalf>(x + j * a.k + i, x0, x1);
-      acc[j][0] = _mm256_fmadd_ps(w0, x0, acc[j][0]);
-      acc[j][1] = _mm256_fmadd_ps(w1, x1, acc[j][1]);
-    }
+    step(i);
     i += 16;
   }
   const T* xt = static_cast<const T*>(a.x) + m0 * a.k;
-  const T* wt = static_cast<const T*>(a.w) + n * a.k;
-  for (int j = 0; j < MS; ++j) {
-    __m256 total = _mm256_add_ps(acc[j][0], acc[j][1]);
-    if constexpr (NA == 4) total = _mm256_add_ps(total, _mm256_add_ps(acc[j][2 % NA], acc[j][3 % NA]));
-    float sum = hsum256(total);
-    for (int64_t t = i; t < a.k; ++t) sum += static_cast<float>(wt[t]) * static_cast<float>(xt[j * a.k + t]);
-    a.store(m0 + j, n, sum);
+  for (int s = 0; s < S; ++s) {
+    const T* wt = static_cast<const T*>(a.w) + rows[s] * a.k;
+    for (int j = 0; j < MS; ++j) {
+      float sum = hsum256(NA == 2 ? _mm256_add_ps(acc[s][j][0], acc[s][j][NA - 1]) : acc[s][j][0]);
+      for (int64_t t = i; t < a.k; ++t) sum += static_cast<float>(wt[t]) * static_cast<float>(xt[j * a.k + t]);
+      a.store(m0 + j, rows[s], sum);
+    }
   }
 }
 
+// Rows [row_begin, row_end) against MS x rows from m0 as S sequential streams: the range is cut into S equal
+// parts read side by side (row i of every part in one kernel call), the rows left over one by one. One stream per
+// thread leaves a Zen 3's memory system idle between its prefetches (read-only loops, 2 threads: 45 against 31
+// GB/s in a fast phase of the shared machine). Over SmolLM2-135M's 121 decode linears (DRAM-resident, 2 threads,
+// interleaved in one process) the streams took 0.81-0.83x the time of the one-row sweep at 1 x row, 0.78x at 2,
+// 0.81-0.86x at 3 and 0.85-0.88x at 4; in a standalone sweep 4 streams beat 2 (0.86x of one), 3 (0.75x) and 8
+// (0.80x), 6 tied.
+template <typename T, bool kIsHalf, int S, int MS, int NA>
+void run_rows_streams_avx2(const GemvArgs& a, int64_t row_begin, int64_t row_end, int64_t m0) {
+  const int64_t part = (row_end - row_begin) / S;
+  int64_t rows[S];
+  for (int64_t i = 0; i < part; ++i) {
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) rows[s] = row_begin + s * part + i;
+    gemv_rows_streams_avx2<T, kIsHalf, S, MS, NA>(a, rows, m0);
+  }
+  for (int64_t n = row_begin + S * part; n < row_end; ++n) {
+    const int64_t one[1] = {n};
+    gemv_rows_streams_avx2<T, kIsHalf, 1, MS, NA>(a, one, m0);
+  }
+}
 
 // x [m, k] (16-bit) -> fp32 [m, k] in split order: each full 16-column block as split16_256 gives it (bf16: the 8
 // even then the 8 odd elements; fp16: 0-7 then 8-15), the k % 16 tail columns in natural order.
@@ -211,22 +234,20 @@ void run_rows_split_avx2(const GemvArgs& a, int64_t row_begin, int64_t row_end) 
   }
 }
 
-// x rows in passes of up to 4 (gemv_row_seq_avx2, one W row after another), or the split tiles when x_split is set.
+// x rows in passes of up to 4 (run_rows_streams_avx2; S * MS * NA accumulators + 4 split vectors within the 16 ymm
+// registers), or the split tiles from kSplitXMinRows rows.
 template <typename T, bool kIsHalf>
 void run_rows_avx2(const GemvArgs& a, int64_t row_begin, int64_t row_end) {
-  if (a.x_split != nullptr) {
+  if (a.m >= kSplitXMinRows) {
     run_rows_split_avx2<T, kIsHalf>(a, row_begin, row_end);
     return;
   }
   for (int64_t m0 = 0; m0 < a.m; m0 += 4) {
-    const int64_t ms = std::min<int64_t>(4, a.m - m0);
-    for (int64_t n = row_begin; n < row_end; ++n) {
-      switch (ms) {
-        case 4: gemv_row_seq_avx2<T, kIsHalf, 4>(a, n, m0); break;
-        case 3: gemv_row_seq_avx2<T, kIsHalf, 3>(a, n, m0); break;
-        case 2: gemv_row_seq_avx2<T, kIsHalf, 2>(a, n, m0); break;
-        default: gemv_row_seq_avx2<T, kIsHalf, 1>(a, n, m0); break;
-      }
+    switch (std::min<int64_t>(4, a.m - m0)) {
+      case 4: run_rows_streams_avx2<T, kIsHalf, 3, 4, 1>(a, row_begin, row_end, m0); break;
+      case 3: run_rows_streams_avx2<T, kIsHalf, 3, 3, 1>(a, row_begin, row_end, m0); break;
+      case 2: run_rows_streams_avx2<T, kIsHalf, 4, 2, 1>(a, row_begin, row_end, m0); break;
+      default: run_rows_streams_avx2<T, kIsHalf, 4, 1, 2>(a, row_begin, row_end, m0); break;
     }
   }
 }

@@ -39,7 +39,7 @@ struct GemvArgs {
   void* out;          // [M,N] in x's dtype
   int64_t m, n, k;
   bool is_half;       // fp16 (else bf16) for x, W, bias and out
-  const float* x_split = nullptr;  // x widened to fp32 in split order (AVX2 path from kSplitXMinRows rows), or null
+  const float* x_split = nullptr;  // x widened to fp32 in split order (AVX2 path from 2 rows), or null
 
   inline float bias_at(int64_t n_idx) const {
     if (bias == nullptr) return 0.f;
@@ -252,7 +252,7 @@ torch::Tensor run_linear_small_m(const torch::Tensor& x, const SmallMLinear& pla
   const Path path = pick_path(is_half);
   GemvArgs a{x2.data_ptr(), plan.weight, plan.bias, out.data_ptr(), m, n, k, is_half};
   torch::Tensor x_split;
-  if (path == Path::kAvx2 && m >= kSplitXMinRows) {
+  if (path == Path::kAvx2 && m >= 2) {  // several x rows share one widening (gemv_avx2.h)
     x_split = torch::empty({m, k}, x.options().dtype(at::kFloat));
     const auto* x16 = static_cast<const uint16_t*>(x2.data_ptr());
     if (is_half) split_x_to_f32<true>(x16, x_split.data_ptr<float>(), m, k);
