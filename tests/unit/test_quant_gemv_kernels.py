@@ -461,3 +461,21 @@ def test_bf16_kernel_paths_agree_with_fp32_path(ops):
     ref = ref_weight_only(x, q, scale, zero, bias)
     for y in ys:
         assert_close(y, ref)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(1037, 576), (523, 80), (9, 1536)])
+def test_w8a8_row_streams_bit_identical(isa_ops, m, n, k):
+    """The AVX2 side-by-side row streams (quant_int8_avx2.h): leftover rows past the streams, K tails of 16 and of
+    fewer columns, and the extreme pair |w| = 128 against |x| = 127 (exact only without int16 saturation)."""
+    x, q, _, _, bias = operands(m, k, n, 1, 8, m * 31 + n + k, torch.bfloat16)
+    q[: n // 2, :64] = -128
+    x[0, :64] = -x[0, :64].abs().amax() * torch.sign(torch.arange(64) % 2 - 0.5).to(x.dtype)  # |q_x| = 127 there
+    w_scale = torch.rand(n, generator=gen(n)) * 0.01
+    row_sum = q.sum(1, dtype=torch.int32)
+    y = isa_ops.w8a8_dynamic_linear(x, q, row_sum, w_scale, bias)
+    assert torch.equal(y, kernels.int8_linear_dynamic(x, q.t(), w_scale, bias))
+    # static activations reaching -128 (the streams stand aside for such calls) and not reaching it
+    for sx in (0.001, 1.0):
+        y = isa_ops.w8a8_static_linear(x, q, row_sum, sx, 0.0, w_scale, None, bias)
+        assert torch.equal(y, kernels.int8_linear_static(x, q.t(), sx, 0.0, w_scale, None, bias))

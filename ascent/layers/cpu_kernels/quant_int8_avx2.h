@@ -86,3 +86,102 @@ void i8_block_avx2(const I8Args& a, int64_t n, int64_t rows, int64_t mb, const i
     for (int64_t m = 0; m < mb; ++m) acc[m * rows + r] = one[m];
   }
 }
+
+// Side-by-side weight streams (as the bf16 rows of gemv_avx2.h): one stream per thread leaves a Zen 3's memory
+// system idle between its prefetches. kI8Streams weight rows (rows[s], far apart) against MB token rows of the int8
+// x (a.xq, ldx apart, no value -128): per 32 columns one 32-byte weight load, |w| (u8, at most 128) times x * sign(w)
+// (s8) summed pairwise into int16 by VPMADDUBSW (|pair| <= 2 * 128 * 127 < 2^15: exact, never saturating) and
+// widened pairwise into int32 by VPMADDWD with ones, so acc[s][m] is the exact sum the other paths compute. Against
+// sign-extending both halves to int16 (i8_span_avx2) 1.3x the rate on one Zen 3 core from L3.
+constexpr int kI8Streams = 4;
+
+template <int S, int MB>
+__attribute__((target("avx2,fma"))) void i8_rows_streams_avx2(const I8Args& a, const int64_t (&rows)[S],
+                                                              const uint8_t* x, int32_t (&acc)[S][MB]) {
+  const int8_t* w[S];
+  __m256i s[S][MB];
+#pragma GCC unroll 4
+  for (int r = 0; r < S; ++r) {
+    w[r] = a.w + rows[r] * a.k;
+    for (int m = 0; m < MB; ++m) s[r][m] = _mm256_setzero_si256();
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  const auto step = [&](int64_t k) __attribute__((always_inline)) {
+#pragma GCC unroll 4
+    for (int r = 0; r < S; ++r) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + k));
+      const __m256i magnitude = _mm256_abs_epi8(wv);
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * a.ldx + k));
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, wv));
+        s[r][m] = _mm256_add_epi32(s[r][m], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  };
+  const bool nta = ascent_prefetch::nta_streams();
+  int64_t k = 0;
+  for (; k + 64 <= a.k; k += 64) {
+#pragma GCC unroll 4
+    for (int r = 0; r < S; ++r) ascent_prefetch::stream_line(reinterpret_cast<const char*>(w[r] + k), nta,
+                                                             kInt8PrefetchNta);
+    step(k);
+    step(k + 32);
+  }
+  if (k + 32 <= a.k) {
+    step(k);
+    k += 32;
+  }
+  for (int r = 0; r < S; ++r)
+    for (int m = 0; m < MB; ++m) {
+      __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s[r][m]), _mm256_extracti128_si256(s[r][m], 1));
+      h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+      h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+      int32_t rest = 0;
+      for (int64_t j = k; j < a.k; ++j)
+        rest += static_cast<int32_t>(static_cast<int8_t>(x[m * a.ldx + j])) * static_cast<int32_t>(w[r][j]);
+      acc[r][m] = _mm_cvtsi128_si32(h) + rest;
+    }
+}
+
+// Token rows [0, mb) (mb <= 4) of x against rows[]: 1-3 tokens in one pass, 4 as two 2s (the second pass reads the
+// rows from L1).
+inline void i8_rows_streams_mb(const I8Args& a, const int64_t (&rows)[kI8Streams], const uint8_t* x, int64_t mb,
+                               int32_t (&acc)[kI8Streams][4]) {
+  constexpr int S = kI8Streams;
+  const auto run = [&](auto tokens, int64_t m0) {
+    constexpr int MB = decltype(tokens)::value;
+    int32_t part[S][MB];
+    i8_rows_streams_avx2<S, MB>(a, rows, x + m0 * a.ldx, part);
+    for (int r = 0; r < S; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m0 + m] = part[r][m];
+  };
+  if (mb == 1) run(std::integral_constant<int, 1>{}, 0);
+  else if (mb == 3) run(std::integral_constant<int, 3>{}, 0);
+  else for (int64_t m0 = 0; m0 < mb; m0 += 2) run(std::integral_constant<int, 2>{}, m0);
+}
+
+// Weight rows [begin, end) for all m_rows <= 4 tokens of a.xq as kI8Streams equal parts read side by side, in
+// spans of up to kSpanRows rows per part; emit(m, n0, rows, acc) takes each span's sums of token m (acc[r], rows
+// n0 + r). Returns the first row left over (end - (end - begin) % kI8Streams), for the caller's row kernel.
+template <class Emit>
+int64_t i8_linear_streams_avx2(const I8Args& a, int64_t begin, int64_t end, int64_t m_rows, const Emit& emit) {
+  constexpr int S = kI8Streams;
+  if (a.x_has_min) return begin;  // x * sign(w) of x = -128 would wrap: the row kernel takes every row
+  const int64_t part = (end - begin) / S;
+  int32_t sums[S][4][kSpanRows];
+  for (int64_t i0 = 0; i0 < part; i0 += kSpanRows) {
+    const int64_t len = std::min(kSpanRows, part - i0);
+    for (int64_t i = 0; i < len; ++i) {
+      int64_t rows[S];
+      for (int r = 0; r < S; ++r) rows[r] = begin + r * part + i0 + i;
+      int32_t acc[S][4];
+      i8_rows_streams_mb(a, rows, a.xq, m_rows, acc);
+      for (int r = 0; r < S; ++r)
+        for (int64_t m = 0; m < m_rows; ++m) sums[r][m][i] = acc[r][m];
+    }
+    for (int r = 0; r < S; ++r)
+      for (int64_t m = 0; m < m_rows; ++m) emit(m, begin + r * part + i0, len, sums[r][m]);
+  }
+  return begin + S * part;
+}

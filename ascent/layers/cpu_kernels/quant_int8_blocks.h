@@ -12,6 +12,7 @@ struct I8Args {
   const int8_t* w;    // [N, K]
   int64_t k;
   const int16_t* x16 = nullptr;  // [M, ldx]: q widened to int16 (the AVX2 path; set by int8_linear)
+  bool x_has_min = false;         // whether some q is -128 (the AVX2 stream kernel then stands aside)
 };
 
 template <int R, int MB>
@@ -90,22 +91,25 @@ at::Tensor int8_linear(const at::Tensor& x, const std::vector<uint8_t>& xq, int6
     x16.resize(xq.size());
     widen_x16(xq.data(), static_cast<int64_t>(xq.size()), x16.data());
     a.x16 = x16.data();
+    a.x_has_min = std::find(xq.begin(), xq.end(), uint8_t{0x80}) != xq.end();
   }
   auto out = at::empty({m_rows, n_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const Store store{out.data_ptr(), out.scalar_type(), n_out};
   const int64_t span = a.x16 != nullptr ? kSpanRows : kRowBlock;  // rows per kernel call
+  const auto emit = [&](int64_t m, int64_t n, int64_t rows, const int32_t* sums) {
+    float y[std::max(kRowBlock, kSpanRows)];
+    for (int64_t r = 0; r < rows; ++r) y[r] = epi(m, n + r, sums[r]);
+    store.row(m, n, rows, y);
+  };
   parallel_rows(n_out, [&](int64_t begin, int64_t end) {
     int32_t acc[4 * std::max(kRowBlock, kSpanRows)];
+    if (a.x16 != nullptr && m_rows <= 4) begin = i8_linear_streams_avx2(a, begin, end, m_rows, emit);
     for (int64_t n = begin; n < end; n += span) {
       const int64_t rows = std::min(span, end - n);
       for (int64_t m0 = 0; m0 < m_rows; m0 += 4) {
         const int64_t mb = std::min<int64_t>(4, m_rows - m0);
         i8_block(a, vnni, row_sum, n, rows, m0, mb, acc);
-        for (int64_t m = 0; m < mb; ++m) {
-          float y[std::max(kRowBlock, kSpanRows)];
-          for (int64_t r = 0; r < rows; ++r) y[r] = epi(m0 + m, n + r, acc[m * rows + r]);
-          store.row(m0 + m, n, rows, y);
-        }
+        for (int64_t m = 0; m < mb; ++m) emit(m0 + m, n, rows, acc + m * rows);
       }
     }
   });
