@@ -5,7 +5,8 @@
 // int16 and multiplied pairwise with them into int32 lanes (VPMADDWD: |pair sum| <= 2 * 128 * 128, exact), so the
 // sums are exact and equal the generic path's. Per 32 weights: 2 sign-extending loads, 2 VPMADDWD (x straight from
 // L1), 2 adds; widening x per weight row instead (as before) doubled the work of a batch-1 row and held the W8A8
-// decode sweep at ~24 GB/s from L3 against the bf16 GEMV's 45. Each weight row is read front to back, one row after
+// decode sweep at ~24 GB/s from L3 against the bf16 GEMV's 45. Calls of up to 4 tokens take the stream kernel at
+// the end of this file instead (i8_linear_streams_avx2). Here each weight row is read front to back, one row after
 // the other (one sequential stream per thread) with a non-temporal prefetch kInt8PrefetchNta bytes ahead on AMD CPUs
 // (stream_prefetch.h; Intel CPUs take the T0 1 KiB + T1 4 KiB pair). Measured on
 // a Zen 2 (2 threads, the 120 linears of a SmolLM2-135M decode step, DRAM-resident, interleaved in one process)
