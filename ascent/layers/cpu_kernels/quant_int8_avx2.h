@@ -17,6 +17,14 @@
 
 constexpr int64_t kInt8PrefetchNta = 896;
 
+// The sum of the 8 int32 lanes of v.
+__attribute__((target("avx2"), always_inline)) inline int32_t hsum_epi32_avx2(__m256i v) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  return _mm_cvtsi128_si32(h);
+}
+
 // x16 [M, ldx] = the int8 bits of xq sign-extended (M * ldx values; ldx a multiple of 16).
 __attribute__((target("avx2"))) void widen_x16(const uint8_t* xq, int64_t values, int16_t* x16) {
   for (int64_t i = 0; i < values; i += 16)
@@ -66,12 +74,7 @@ __attribute__((target("avx2,fma"))) void i8_row_avx2(const I8Args& a, int64_t n,
   __m256i lanes[MB];
   int32_t rest[MB];
   i8_span_avx2<MB>(a.w + n * a.k, x, a.ldx, 0, a.k, lanes, rest);
-  for (int m = 0; m < MB; ++m) {
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(lanes[m]), _mm256_extracti128_si256(lanes[m], 1));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-    acc[m] = _mm_cvtsi128_si32(h) + rest[m];
-  }
+  for (int m = 0; m < MB; ++m) acc[m] = hsum_epi32_avx2(lanes[m]) + rest[m];
 }
 
 // acc [mb, rows] (mb <= 4) for weight rows [n, n + rows), row after row.
@@ -135,13 +138,10 @@ __attribute__((target("avx2,fma"))) void i8_rows_streams_avx2(const I8Args& a, c
   }
   for (int r = 0; r < S; ++r)
     for (int m = 0; m < MB; ++m) {
-      __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s[r][m]), _mm256_extracti128_si256(s[r][m], 1));
-      h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-      h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
       int32_t rest = 0;
       for (int64_t j = k; j < a.k; ++j)
         rest += static_cast<int32_t>(static_cast<int8_t>(x[m * a.ldx + j])) * static_cast<int32_t>(w[r][j]);
-      acc[r][m] = _mm_cvtsi128_si32(h) + rest;
+      acc[r][m] = hsum_epi32_avx2(s[r][m]) + rest;
     }
 }
 
