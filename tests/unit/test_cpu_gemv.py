@@ -37,9 +37,10 @@ def isa(gemv, request):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 13, 33])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 13, 24, 33, 70])
 # (1030, 48): both threads' row ranges leave rows over after the AVX2 kernel's side-by-side streams, and K ends in
-# a 16-column step; (7, 80): fewer rows than streams plus one leftover.
+# a 16-column step; (7, 80): fewer rows than streams plus one leftover. From 24 x rows the AVX2 path repacks W into
+# 16-row panels: (37, 100) and (260, 576) leave rows after the panels, (5, 33) fills no panel.
 @pytest.mark.parametrize("n,k", [(96, 64), (37, 100), (260, 576), (5, 33), (1030, 48), (7, 80)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_fp32_reference_within_one_ulp(gemv, isa, dtype, m, n, k, with_bias):

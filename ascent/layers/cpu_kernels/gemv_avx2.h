@@ -234,10 +234,16 @@ void run_rows_split_avx2(const GemvArgs& a, int64_t row_begin, int64_t row_end) 
   }
 }
 
+#include "gemv_panel_avx2.h"
+
 // x rows in passes of up to 4 (run_rows_streams_avx2; S * MS * NA accumulators + 4 split vectors within the 16 ymm
-// registers), or the split tiles from kSplitXMinRows rows.
+// registers), the split tiles from kSplitXMinRows rows, the panel tiles (gemv_panel_avx2.h) from kPanelMinRows.
 template <typename T, bool kIsHalf>
 void run_rows_avx2(const GemvArgs& a, int64_t row_begin, int64_t row_end) {
+  if (a.m >= kPanelMinRows) {
+    run_rows_panel_avx2<T, kIsHalf>(a, row_begin, row_end);
+    return;
+  }
   if (a.m >= kSplitXMinRows) {
     run_rows_split_avx2<T, kIsHalf>(a, row_begin, row_end);
     return;

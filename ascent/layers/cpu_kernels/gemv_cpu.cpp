@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "parallel_team.h"
 #include "stream_prefetch.h"
