@@ -52,7 +52,9 @@ SMALL_M_MAX_BF16_DOT = 16
 # GEMM): M = 1 9.0 vs 38, 4 11 vs 66, 8 20 vs 71, 16 38 vs 86, 32 75 vs 114, 64 155 vs 183, 96 219 vs 238. With
 # x widened once and 2 x 6 register tiles from 5 rows on (gemv_avx2.h): M = 64 124 vs 172, 96 198 vs 253, 128 266 vs
 # 341, 192 402 vs 454, 256 534 vs 568, 512 1106 vs 1036; the range ends where the margin is still about 20 %.
-SMALL_M_MAX_AVX2 = 128
+# With the panel tiles from 24 rows (gemv_panel_avx2.h), on a Zen 3 (2 threads, 4 layers' linears, time against
+# the fp32 GEMM copy): M = 128 0.82, 192 0.88, 256 0.85, 384 1.02, 512 0.98, 1024 1.04; hence 256.
+SMALL_M_MAX_AVX2 = 256
 
 _PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 # Rows of x up to which an AMX-packed weight is used (oneDNN's blocked GEMM wins above).
