@@ -8,6 +8,12 @@
 // per FMA pair and end each tile in 12 horizontal sums; on a Zen 3 (2 threads, SmolLM2-135M's four layer shapes,
 // hot caches) they ran 73-82 GFLOP/s from M = 16 to 128 while an fp32 GEMM reached 172. A standalone version of
 // this kernel ran 76-90 GFLOP/s on one thread from M = 16 to 128 (49 at M = 5, repacking included).
+// Measured on a Zen 3 (2 threads, both kernels built side by side and alternated in one process, SmolLM2's 120 layer
+// linears), time panels / split tiles: DRAM-resident M = 32 0.87-0.96, 48 0.73, 64 0.80-0.85, 96 0.72, 128
+// 0.74-0.79; one layer's linears (cache-resident) M = 5 1.34-1.45, 8 1.10-1.31, 16 0.95-0.98, 24 0.87, 32 0.83-0.86,
+// hence kPanelMinRows = 24 (the repacking costs about as much as one pass of 6 x rows). Tried and not kept: a bf16
+// panel of 32-bit column pairs (half the repacking, the split done in the tile): 1.05-1.24x the split tiles' time at
+// M = 5-8 and 1.17-1.44x from M = 16 to 64 (cache-resident), where the fp32 panel took 0.83-0.98x.
 #pragma once
 
 constexpr int64_t kPanelMinRows = 24;  // x rows from which the panels beat the split tiles (see the header)
