@@ -2,7 +2,8 @@
 // anonymous namespace after GemvArgs. Up to kSplitXMinRows - 1 x rows (the memory-bound decode case): W rows are
 // read front to back as several side-by-side streams per thread (run_rows_streams_avx2), one x row split inline,
 // several widened once to fp32 (GemvArgs::x_split). From kSplitXMinRows rows on the call is compute-bound: tiles
-// of 2 W rows x up to 6 x_split rows spend one FMA per W element and x load.
+// of 2 W rows x up to 6 x_split rows spend one FMA per W element and x load; from kPanelMinRows the W rows are
+// repacked into panels for outer-product tiles (gemv_panel_avx2.h).
 #pragma once
 
 // AVX2 + FMA (CPUs without AVX512, e.g. AMD Zen 1-3): each W row is read front to back, 16 values at a time split
