@@ -210,6 +210,9 @@ void gemv_tile_split_rows(const GemvArgs& a, int64_t n, int64_t m0, int64_t mx, 
   else gemv_tile_split_mx<T, kIsHalf, RW, false>(a, n, m0, mx);
 }
 
+// x rows of pass p when m rows go in `passes` passes as even as possible (the first m % passes take one more).
+inline int64_t pass_rows(int64_t m, int64_t passes, int64_t p) { return m / passes + (p < m % passes ? 1 : 0); }
+
 constexpr int64_t kSeqBlockBytes = 16384;  // W bytes per block that all x passes share: about half of L1
 
 // W rows [row_begin, row_end) against the x rows in passes as even as possible of at most kSplitTileRowsX rows (so
@@ -224,7 +227,7 @@ void run_rows_split_avx2(const GemvArgs& a, int64_t row_begin, int64_t row_end) 
   for (int64_t b0 = row_begin; b0 < row_end; b0 += block) {
     const int64_t b1 = std::min(row_end, b0 + block);
     for (int64_t p = 0, m0 = 0; p < passes; ++p) {
-      const int64_t mx = a.m / passes + (p < a.m % passes ? 1 : 0);
+      const int64_t mx = pass_rows(a.m, passes, p);
       int64_t n = b0;
       for (; n + kSplitTileRowsW <= b1; n += kSplitTileRowsW) {
         gemv_tile_split_rows<T, kIsHalf, kSplitTileRowsW>(a, n, m0, mx, p == 0);

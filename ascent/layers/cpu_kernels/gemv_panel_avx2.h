@@ -46,7 +46,8 @@ __attribute__((target("avx2,fma,f16c"))) void pack_panel16(const uint16_t* w, in
   const int64_t k16 = k & ~int64_t(15);
   for (int64_t c = 0; c < k16; c += 16) {
     if (next != nullptr && (c & 31) == 0) {
-      for (int64_t r = 0; r < kPanelRows; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * k + c), _MM_HINT_T1);
+      for (int64_t r = 0; r < kPanelRows; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(next + r * k + c), _MM_HINT_T1);
     }
 #pragma GCC unroll 2
     for (int64_t half = 0; half < 2; ++half) {  // rows 0-7, then 8-15 of the panel
@@ -113,7 +114,7 @@ void run_rows_panel_avx2(const GemvArgs& a, int64_t row_begin, int64_t row_end) 
     const uint16_t* next = n0 + 2 * kPanelRows <= row_end ? w + (n0 + kPanelRows) * a.k : nullptr;
     pack_panel16<T, kIsHalf>(w + n0 * a.k, a.k, panel.data(), next);
     for (int64_t p = 0, m0 = 0; p < passes; ++p) {
-      const int64_t mx = a.m / passes + (p < a.m % passes ? 1 : 0);
+      const int64_t mx = pass_rows(a.m, passes, p);
       float out[kPanelMaxTileX][kPanelRows];
       panel_tile_mx(panel.data(), a.k, a.x_split + m0 * a.k, mx, out);
       for (int64_t j = 0; j < mx; ++j)
