@@ -18,14 +18,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from ascent.layers.cpu_packing import pack_linear_weight, packed_linear
 from ascent.platform.ops_utils import symmetric_quant
 from ascent.quantization.packing import unpack_from_int32
 from ascent.quantization.wo_nv import NvLayout, int8_nv_applies, nv_applies, prepare_nv, w4_blocked_applies
@@ -249,29 +247,6 @@ def weight_int4_linear(x: torch.Tensor, packed: torch.Tensor, kernel_group: int,
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], -1)
-
-
-class DenseWeightCache:
-    """Dequantize-once weights per compute dtype: ``build()`` returns float32 ``[N, K]``; bf16/fp16 copies are
-    oneDNN-packed (``ascent.layers.cpu_packing``). Built lazily on the first prefill-sized call so decode-only
-    serving keeps only the quantized weight in memory."""
-
-    def __init__(self, build: Callable[[], torch.Tensor]) -> None:
-        self._build = build
-        self._weights: dict[torch.dtype, tuple[torch.Tensor, bool]] = {}
-
-    def clear(self) -> None:
-        self._weights.clear()
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [..., K] @ W^T (+ bias)`` in x's dtype."""
-        if x.dtype not in self._weights:
-            w = self._build().to(x.dtype)
-            packed = pack_linear_weight(w)
-            self._weights[x.dtype] = (packed, True) if packed is not None else (w.contiguous(), False)
-        w, is_packed = self._weights[x.dtype]
-        b = bias.to(x.dtype) if bias is not None else None
-        return packed_linear(x, w, b) if is_packed else F.linear(x, w, b)
 
 
 def gemv_module(t: torch.Tensor) -> ModuleType | None:

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
-from ascent.quantization.kernels import DenseWeightCache, quantize_per_token_fp8
+from ascent.quantization.dense_weights import DenseWeightCache
+from ascent.quantization.kernels import quantize_per_token_fp8
 from ascent.quantization.registry import register_scheme
 from ascent.quantization.schemes.common import (
     add_param,

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from ascent.quantization.base import QuantLinearScheme, WeightLoader
+from ascent.quantization.dense_weights import DenseWeightCache
 from ascent.quantization.kernels import (
-    W8A16_AMX_MAX_M, DenseWeightCache, StackSpec, WeightOnlyGemv, gemv_fits, prepare_int8_amx, prepare_wo_gemv,
-    weight_int8_linear, weight_only_path,
+    W8A16_AMX_MAX_M, StackSpec, WeightOnlyGemv, gemv_fits, prepare_int8_amx, prepare_wo_gemv, weight_int8_linear,
+    weight_only_path,
 )
 from ascent.quantization.registry import register_scheme
 from ascent.quantization.packing import pack_to_int32, unpack_from_int32

@@ -8,9 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ascent.layers.cpu_kernels import amx_ops
+from ascent.layers.cpu_packing import small_m_kernel, small_m_max
 from ascent.layers.linear import ReplicatedLinear
 from ascent.quantization import kernels
 from ascent.quantization.base import QuantSpec
+from ascent.quantization.dense_weights import DenseWeightCache
 from tests.unit.quant.scheme_utils import (
     SpecConfig,
     finish,
@@ -90,20 +93,36 @@ def test_int4pack_group_rules_and_path_switch():
     assert kernels.weight_only_path(limit + 1) == "dense"
 
 
-def test_dense_cache_builds_once_per_dtype():
-    w, x = gaussian((48, 64), 7), gaussian((4, 64), 8)
+def test_dense_cache_builds_each_layout_once_and_follows_the_unquantized_choice():
+    w, x, bias = gaussian((48, 64), 7), gaussian((4, 64), 8), gaussian((48,), 11)
     calls = []
 
     def build() -> torch.Tensor:
         calls.append(1)
         return t(w)
 
-    cache = kernels.DenseWeightCache(build)
+    cache = DenseWeightCache(build)
+    xb, wb, bb = t(x).bfloat16(), t(w).bfloat16(), t(bias).bfloat16()
     for _ in range(2):
-        y = cache.linear(t(x).bfloat16())
+        y = cache.linear(xb, t(bias))
     assert len(calls) == 1
-    assert rel(y.float().numpy(), F.linear(t(x).bfloat16(), t(w).bfloat16()).float().numpy()) < 1e-2
+    expected = F.linear(xb, wb, bb).float().numpy()
+    assert rel(y.float().numpy(), expected) < 1e-2
+    ops = small_m_kernel(wb)
+    plain = ops is not None and amx_ops() is None  # rows the unquantized linear gives its small-M kernel
+    if plain:
+        assert torch.equal(y, ops.linear_small_m(xb, wb, bb))
+    # above the small-M range: the GEMM layout, built once more where the plain copy served the small calls
+    big = t(gaussian((small_m_max(torch.bfloat16) + 1, 64), 9)).bfloat16()
+    for _ in range(2):
+        y_big = cache.linear(big)
+    assert len(calls) == (2 if plain else 1)
+    assert rel(y_big.float().numpy(), F.linear(big, wb).float().numpy()) < 1e-2
     assert rel(cache.linear(t(x)).numpy(), x.astype(np.float64) @ w.T.astype(np.float64)) < 1e-6
+    assert len(calls) == (3 if plain else 2)
+    cache.clear()
+    cache.linear(xb)
+    assert len(calls) == (4 if plain else 3)
 
 
 def test_reference_env_switch(monkeypatch):
