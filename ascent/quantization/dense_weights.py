@@ -55,10 +55,13 @@ class DenseWeightCache:
         """The plain copy and kernel module for this call, or None when the GEMM layout serves it."""
         if x.dtype not in SMALL_M_DTYPES or x.device.type != "cpu" or x.numel() > small_m_max(x.dtype) * x.shape[-1]:
             return None
-        if x.dtype == torch.bfloat16 and amx_ops() is not None:  # the unquantized path's AMX tiles' rows
-            return None
         if x.dtype not in self._plain:
-            w = self._build().to(x.dtype).contiguous()
-            ops = small_m_kernel(w)
-            self._plain[x.dtype] = (w, ops) if ops is not None else None
+            self._plain[x.dtype] = self._build_plain(x.dtype)
         return self._plain[x.dtype]
+
+    def _build_plain(self, dtype: torch.dtype) -> tuple[torch.Tensor, ModuleType] | None:
+        if dtype == torch.bfloat16 and amx_ops() is not None:  # the unquantized path's AMX tiles take these rows
+            return None
+        w = self._build().to(dtype).contiguous()
+        ops = small_m_kernel(w)
+        return (w, ops) if ops is not None else None
