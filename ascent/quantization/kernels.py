@@ -6,8 +6,8 @@
 * Weight-only int8 / int4: ``torch._weight_int8pack_mm`` (per-channel scale, symmetric) and
   ``torch._convert_weight_to_int4pack_for_cpu`` + ``torch._weight_int4pack_mm_for_cpu`` (convention
   ``w = (u - 8) * scale + zero`` with ``u`` the unsigned nibble; N % 16 == 0, group in {32, 64, 128, 256}).
-  They win at decode-sized M only; prefill-sized M uses a dequantize-once dense weight (oneDNN-packed for
-  bf16/fp16) — :func:`weight_only_path` picks by M.
+  They win at decode-sized M only; prefill-sized M uses a dequantize-once dense weight
+  (``ascent.quantization.dense_weights``) — :func:`weight_only_path` picks by M.
 * Small-M (decode) C++ kernels, ``ascent/layers/cpu_kernels/quant_gemv_cpu.cpp`` (``quant_ops()``): weights
   streamed once per call in their stored integer form (int8 rows, int4 nibbles, the W8A8 product via AVX512-VNNI
   with the activation quantization fused). Resolved once per layer at load (:func:`prepare_int8_gemv`,
