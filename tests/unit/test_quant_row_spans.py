@@ -63,3 +63,26 @@ def test_w8a16_rows_across_spans_and_chunks(isa_ops, threads, n, k, groups):
             x, q, scale, zero, bias = operands(m, k, n, groups, 8, n * 11 + k + m, torch.bfloat16)
             for z, b in ((None, None), (zero, bias)):
                 assert_close(isa_ops.w8a16_linear(x, q, scale, z, b), ref_weight_only(x, q, scale, z, b))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [4, 7, 131, 1030])
+@pytest.mark.parametrize("k,groups", [(576, 1), (1536, 12), (100, 1), (2096, 1), (576, 9)])
+def test_w8a16_streams_equal_the_row_kernel(ops, threads, n, k, groups):
+    """W8A16's side-by-side streams (bf16 x on AVX2 without AVX512: 4 rows far apart at once, 1-4 tokens) sum the
+    row kernel's int32 spans and flush them alike, so every output is bit-identical to the row kernel's: rows not a
+    multiple of 4 (the row kernel takes the rest), a K with a 16-column step and a scalar tail, a K past one int32
+    span (2048) and scale groups. Elsewhere both settings run the same kernel and must agree too."""
+    with num_threads(threads):
+        for m in (1, 2, 3, 4, 5):
+            x, q, scale, zero, bias = operands(m, k, n, groups, 8, n * 5 + k + m, torch.bfloat16)
+            for z, b in ((None, None), (zero, bias)):
+                old = ops.set_wo8_streams(0)
+                try:
+                    rows = ops.w8a16_linear(x, q, scale, z, b)
+                    ops.set_wo8_streams(1)
+                    streams = ops.w8a16_linear(x, q, scale, z, b)
+                finally:
+                    ops.set_wo8_streams(old)
+                assert torch.equal(streams, rows)
+                assert_close(streams, ref_weight_only(x, q, scale, z, b))

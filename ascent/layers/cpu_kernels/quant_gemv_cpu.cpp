@@ -34,12 +34,12 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <type_traits>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace ascent_quant {
@@ -47,9 +47,8 @@ namespace {
 
 constexpr int64_t kRowBlock = 4;     // weight rows sharing one x chunk load
 constexpr int64_t kRowGrain = 64;    // rows per parallel chunk (at least)
-constexpr int64_t kSpanRows = 64;     // AVX2 int4 / int8 / W8A16 fixed-point row kernels: weight rows per call (a
-                                     // call per row block cost ~4 ns per 576-column int4 row in the return's
-                                     // vzeroupper and the set-up; W8A16 stack 0.96x the time with spans)
+constexpr int64_t kSpanRows = 64;     // AVX2 int4 / int8 / W8A16 fixed-point kernels: weight rows per call (a call
+                                     // per row block cost ~4 ns per 576-column int4 row in vzeroupper and set-up)
 constexpr int64_t kPrefetchRows = 16;  // software prefetch distance in weight rows (past the end is harmless)
 constexpr int64_t kMaxK = 1 << 16;   // int32 accumulators of the u8 x s8 products cannot overflow below this
 int g_force_generic = 0;             // tests: 1 = portable path only, 2 = at most AVX2 (set_force_generic)
@@ -262,8 +261,19 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
   const Store store{out.data_ptr(), out.scalar_type(), n_out};
   const int64_t m_step = vnni ? kVnniMaxM : (bf16 || fma8 ? kBf16MaxM : (fixed8 ? kWo8FixedMaxM : 2));
   const int64_t span = (vnni && !use_vnni()) || fixed8 ? kSpanRows : kRowBlock;  // rows per kernel call
+  // y[r] (token m, rows n + r) -> the zero points' correction and the bias, then stored
+  const auto finish = [&](int64_t m, int64_t n, int64_t rows, float* y) {
+    for (int64_t r = 0; r < rows && ((has_zero && !zero_folded) || !bv.empty()); ++r) {
+      if (has_zero && !zero_folded)
+        for (int64_t g = 0; g < groups; ++g)
+          y[r] -= zp[(n + r) * groups + g] * a.scale[(n + r) * groups + g] * xsum[m * groups + g];
+      if (!bv.empty()) y[r] += bv[n + r];
+    }
+    store.row(m, n, rows, y);
+  };
   parallel_rows(n_out, [&](int64_t begin, int64_t end) {
     float acc[std::max({kBf16MaxM * kRowBlock, kVnniMaxM * kSpanRows, kWo8FixedMaxM * kSpanRows})];
+    if (fixed8 && m_rows <= kWo8FixedMaxM) begin = wo8_fixed_streams_avx2(f8, begin, end, m_rows, finish);
     for (int64_t n = begin; n < end; n += span) {
       const int64_t rows = std::min(span, end - n);
       for (int64_t m0 = 0; m0 < m_rows; m0 += m_step) {
@@ -273,16 +283,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
         else if (fma8) wo8_fma_block(f, n, rows, m0, mb, acc);
         else if (fixed8) wo8_fixed_block_avx2(f8, n, rows, m0, mb, acc);
         else wo_block(a, int4, n, rows, m0, mb, acc);
-        for (int64_t m = 0; m < mb; ++m) {
-          float* y = acc + m * rows;
-          for (int64_t r = 0; r < rows && ((has_zero && !zero_folded) || !bv.empty()); ++r) {
-            if (has_zero && !zero_folded)
-              for (int64_t g = 0; g < groups; ++g)
-                y[r] -= zp[(n + r) * groups + g] * a.scale[(n + r) * groups + g] * xsum[(m0 + m) * groups + g];
-            if (!bv.empty()) y[r] += bv[n + r];
-          }
-          store.row(m0 + m, n, rows, y);
-        }
+        for (int64_t m = 0; m < mb; ++m) finish(m0 + m, n, rows, acc + m * rows);
       }
     }
   });
@@ -493,6 +494,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_force_generic", &ascent_quant::set_force_generic, "set_force_generic(1|0) -> previous");
   m.def("set_wo_bf16_int8", &ascent_quant::set_wo_bf16_int8, "set_wo_bf16_int8(1|0) -> previous (tests)");
   m.def("set_wo_vnni", &ascent_quant::set_wo_vnni, "set_wo_vnni(1|0) -> previous (tests)");
+  m.def("set_wo8_streams", &ascent_quant::set_wo8_streams, "set_wo8_streams(1|0) -> previous (tests)");
   m.def("isa", &ascent_quant::isa, "isa() -> the instruction set the kernels use");
 }
 #endif  // ASCENT_EMBEDDED_KERNELS
