@@ -77,12 +77,36 @@ def test_w8a16_streams_equal_the_row_kernel(ops, threads, n, k, groups):
         for m in (1, 2, 3, 4, 5):
             x, q, scale, zero, bias = operands(m, k, n, groups, 8, n * 5 + k + m, torch.bfloat16)
             for z, b in ((None, None), (zero, bias)):
-                old = ops.set_wo8_streams(0)
+                old = ops.set_wo_streams(0)
                 try:
                     rows = ops.w8a16_linear(x, q, scale, z, b)
-                    ops.set_wo8_streams(1)
+                    ops.set_wo_streams(1)
                     streams = ops.w8a16_linear(x, q, scale, z, b)
                 finally:
-                    ops.set_wo8_streams(old)
+                    ops.set_wo_streams(old)
                 assert torch.equal(streams, rows)
                 assert_close(streams, ref_weight_only(x, q, scale, z, b))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [4, 7, 131, 1030])
+@pytest.mark.parametrize("k,groups", [(576, 9), (576, 1), (1536, 12), (128, 2)])
+def test_w4a16_blocked_streams_equal_one_stream(ops, threads, n, k, groups):
+    """W4A16's blocked layout at one token reads two parts of whole row blocks side by side (AVX2 without
+    AVX512-VNNI); each block's sums are the one-stream kernel's, so the outputs are bit-identical to it: row counts
+    with tail rows and too few blocks for two parts, per-channel and grouped scales, zero points and bias. Elsewhere
+    both settings run the same kernel and must agree too."""
+    with num_threads(threads):
+        for m in (1, 2):
+            x, q, scale, zero, bias = operands(m, k, n, groups, 4, n * 3 + k + m, torch.bfloat16)
+            blocked = ops.w4a16_block_pack(ops.w4a16_pack(q))
+            for z, b in ((None, None), (zero, bias)):
+                old = ops.set_wo_streams(0)
+                try:
+                    one = ops.w4a16_linear_blocked(x, blocked, k, scale, z, b)
+                    ops.set_wo_streams(1)
+                    two = ops.w4a16_linear_blocked(x, blocked, k, scale, z, b)
+                finally:
+                    ops.set_wo_streams(old)
+                assert torch.equal(two, one)
+                assert_close(two, ref_weight_only(x, q, scale, z, b))

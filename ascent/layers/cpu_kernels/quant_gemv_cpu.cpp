@@ -274,6 +274,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
   parallel_rows(n_out, [&](int64_t begin, int64_t end) {
     float acc[std::max({kBf16MaxM * kRowBlock, kVnniMaxM * kSpanRows, kWo8FixedMaxM * kSpanRows})];
     if (fixed8 && m_rows <= kWo8FixedMaxM) begin = wo8_fixed_streams_avx2(f8, begin, end, m_rows, finish);
+    if (vnni && v.blocked && !use_vnni() && m_rows == 1) begin = wo_fixed_blocked_streams(v, begin, end, finish);
     for (int64_t n = begin; n < end; n += span) {
       const int64_t rows = std::min(span, end - n);
       for (int64_t m0 = 0; m0 < m_rows; m0 += m_step) {
@@ -494,7 +495,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_force_generic", &ascent_quant::set_force_generic, "set_force_generic(1|0) -> previous");
   m.def("set_wo_bf16_int8", &ascent_quant::set_wo_bf16_int8, "set_wo_bf16_int8(1|0) -> previous (tests)");
   m.def("set_wo_vnni", &ascent_quant::set_wo_vnni, "set_wo_vnni(1|0) -> previous (tests)");
-  m.def("set_wo8_streams", &ascent_quant::set_wo8_streams, "set_wo8_streams(1|0) -> previous (tests)");
+  m.def("set_wo_streams", &ascent_quant::set_wo_streams, "set_wo_streams(1|0) -> previous (tests)");
   m.def("isa", &ascent_quant::isa, "isa() -> the instruction set the kernels use");
 }
 #endif  // ASCENT_EMBEDDED_KERNELS

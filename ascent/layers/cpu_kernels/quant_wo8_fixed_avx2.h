@@ -126,15 +126,6 @@ void wo8_fixed_block_avx2(const Wo8FixedArgs& a, int64_t n, int64_t rows, int64_
 // decode step, per-channel, DRAM-resident, alternating in one process): 0.79-0.83x the row kernel's time at 1 token
 // (5.7 against 7.2 ms), 0.74-0.77x at 2, 0.85x at 3, 0.83-0.90x at 4.
 constexpr int kWo8Streams = 4;
-int g_wo8_streams = 1;  // tests: 0 = the row kernel takes every row (the bit-identity reference)
-
-// Tests: W8A16's fixed-point kernel with the side-by-side streams (1, default) or its row kernel only (0); returns
-// the previous value.
-int64_t set_wo8_streams(int64_t value) {
-  const int64_t old = g_wo8_streams;
-  g_wo8_streams = static_cast<int>(value);
-  return old;
-}
 
 // out[r][m] for weight rows rows[r] and MB <= 3 tokens from m0 (4 rows x 4 tokens of int32 sums would spill).
 template <int S, int MB>
@@ -205,7 +196,7 @@ __attribute__((target("avx2,fma"))) void wo8_fixed_rows_streams_avx2(const Wo8Fi
 template <class Emit>
 int64_t wo8_fixed_streams_avx2(const Wo8FixedArgs& a, int64_t begin, int64_t end, int64_t m_rows, const Emit& emit) {
   constexpr int S = kWo8Streams;
-  if (!g_wo8_streams) return begin;
+  if (!g_wo_streams) return begin;
   const int64_t part = (end - begin) / S;
   float sums[S][kWo8FixedMaxM][kSpanRows];
   const auto pass = [&](auto tokens, const int64_t (&rows)[S], int64_t m0, int64_t i) {
