@@ -191,8 +191,8 @@ __attribute__((target("avx2,fma"))) void wo8_fixed_rows_streams_avx2(const Wo8Fi
 
 // Weight rows [begin, end) for all m_rows <= kWo8FixedMaxM tokens as kWo8Streams equal parts read side by side (1-3
 // tokens in one pass, 4 as two passes of 2: the second reads the rows from L1), in spans of up to kSpanRows rows per
-// part; emit(m, n0, rows, y) takes each span's outputs of token m (y[r], rows n0 + r; y may be
-// changed in place). Returns the first row left over (end - (end - begin) % kWo8Streams) for the row kernel.
+// part; emit(m, n0, rows, y) takes each span's outputs of token m (y[r], rows n0 + r; y may be changed in place).
+// Returns the first row left over (end - (end - begin) % kWo8Streams) for the row kernel.
 template <class Emit>
 int64_t wo8_fixed_streams_avx2(const Wo8FixedArgs& a, int64_t begin, int64_t end, int64_t m_rows, const Emit& emit) {
   constexpr int S = kWo8Streams;
