@@ -56,11 +56,12 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 
 // One projection of a layer: which kernel computes x @ W^T (+ bias) and the operands it takes, in the order the
 // Python side (``LinearMethod.decode_stack_call``) gives them.
-// An empty tensor stands for an absent optional operand. The small-M dense and the NV-layout kinds check their
-// weight-side operands at their first call and then keep raw pointers into `tensors` (which keep them alive): the
-// per-step call no longer reads those tensors' metadata, which the weight stream has evicted from the caches by then
-// (measured on a Zen 4, SmolLM2 decode stack + head, interleaved pairs: W8A8 1.018-1.033x, bf16 1.018x, W8A16
-// 1.035x, W4A16 1.051x).
+// An empty tensor stands for an absent optional operand. The small-M dense, NV-layout and weight-only kinds check
+// their weight-side operands at their first call and then keep raw pointers into `tensors` (which keep them alive):
+// the per-step call no longer reads those tensors' metadata, which the weight stream has evicted from the caches by
+// then (measured on a Zen 4, SmolLM2 decode stack + head, interleaved pairs: W8A8 1.018-1.033x, bf16 1.018x, W8A16
+// 1.035x, W4A16 1.051x on the NV layout; on a Zen 3, the stack alone, the AVX2 weight-only kernels: W4A16 blocked
+// 0.977x, W8A16 0.974x the time).
 struct LinearCall {
   enum Kind : int64_t {
     kDense = 0, kW8A16 = 1, kW4A16 = 2, kW8A8Dynamic = 3, kW8A8DynamicAmx = 4, kW8A8StaticAmx = 5,
@@ -86,7 +87,18 @@ struct LinearCall {
   mutable ascent_quant::W8A8StaticNv w8a8_static_nv;  // kW8A8StaticNv's, likewise
   mutable ascent_quant::WoNvPlan wo_nv;                // kWoNv's, likewise
   mutable SmallMLinear small_m;                  // kDense's small-M kernel operands, checked at its first call
+  mutable ascent_quant::WoPlan wo;               // kW8A16's, kW4A16's and kW8A16Amx's, likewise
   std::shared_ptr<const LinearCall> inner;       // kWoAmx's call for the rows below its limit
+
+  // The weight-only operands (kW8A16 / kW8A16Amx: tensors 0-3; kW4A16: tensors 0-3 and ints [K, blocked]).
+  const ascent_quant::WoPlan& wo_plan() const {
+    const auto& t = tensors;
+    if (wo.args.w == nullptr)
+      wo = kind == kW4A16 ? ascent_quant::plan_w4a16(t[0], ints[0], t[1], optional_tensor(t[2]),
+                                                     optional_tensor(t[3]), ints[1] != 0)
+                          : ascent_quant::plan_w8a16(t[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
+    return wo;
+  }
 
   at::Tensor operator()(const at::Tensor& x) const {
     const auto& t = tensors;
@@ -97,17 +109,12 @@ struct LinearCall {
         if (small_m.weight == nullptr) small_m = plan_linear_small_m(t[0], optional_tensor(t[1]));
         return run_linear_small_m(x, small_m);
       }
-      case kW8A16: return ascent_quant::w8a16_linear(x, t[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
-      case kW4A16:
-        if (ints[1]) return ascent_quant::w4a16_linear_blocked(x, t[0], ints[0], t[1], optional_tensor(t[2]),
-                                                               optional_tensor(t[3]));
-        return ascent_quant::w4a16_linear(x, t[0], ints[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
+      case kW8A16:
+      case kW4A16: return ascent_quant::run_wo(x, wo_plan());
       case kW8A8Dynamic: return ascent_quant::w8a8_dynamic_linear(x, t[0], t[1], t[2], optional_tensor(t[3]));
       case kW8A8DynamicAmx: return ascent_quant::w8a8_dynamic_linear_amx(x, t[0], t[1], optional_tensor(t[2]));
       case kW8A16Amx: {
-        const auto small_m = [&] {
-          return ascent_quant::w8a16_linear(x, t[0], t[1], optional_tensor(t[2]), optional_tensor(t[3]));
-        };
+        const auto small_m = [&] { return ascent_quant::run_wo(x, wo_plan()); };
         const bool x16 = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
         if (x.size(0) <= ints[0] || !x16) return small_m();
         at::Tensor y = ascent_quant::w8a16_linear_amx(x, t[4], t[1].view({-1}), optional_tensor(t[3]));

@@ -293,42 +293,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
 
 }  // namespace
 
-// y [M, N] = x [M, K] @ ((q - zero) * scale)^T (+ bias); q int8 [N, K], scale / zero fp32 [N, G].
-at::Tensor w8a16_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scale,
-                        const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias) {
-  check_weight(weight, at::kChar);
-  const int64_t n = weight.size(0), k = weight.size(1);
-  const at::Tensor x = rows_of(x_in, k);
-  const int64_t groups = check_scales(scale, n, k);
-  const WoArgs a{nullptr, 0, weight.data_ptr(), k, k, scale.data_ptr<float>(), groups, k / groups};
-  return like_x(weight_only_linear(x, a, /*int4=*/false, k, n, zero, bias), x_in);
-}
-
-namespace {
-
-// The checked operands of w4a16_linear (packed [N, ceil(K/2)], G = 1 or K/G % 32 == 0) without x.
-WoArgs w4a16_args(const at::Tensor& packed, int64_t k, const at::Tensor& scale) {
-  check_weight(packed, at::kByte);
-  const int64_t n = packed.size(0);
-  TORCH_CHECK(k > 0 && packed.size(1) == (k + 1) / 2, "packed must be [N, ", (k + 1) / 2, "] for K = ", k,
-              ", got ", packed.sizes());
-  const int64_t groups = check_scales(scale, n, k);
-  TORCH_CHECK(groups == 1 || (k / groups) % 32 == 0, "int4 group size must be a multiple of 32, got ", k / groups);
-  const int64_t kp = (k + 31) / 32 * 32;  // the fp32 path's x: de-interleaved 32-column blocks, zero padded
-  return WoArgs{nullptr, 0, packed.data_ptr(), packed.size(1), kp, scale.data_ptr<float>(), groups,
-                groups == 1 ? kp : k / groups};
-}
-
-}  // namespace
-
-// y [M, N] = x [M, K] @ ((q - zero) * scale)^T (+ bias) with q from w4a16_pack's layout; G = 1 or K/G % 32 == 0.
-at::Tensor w4a16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t k, const at::Tensor& scale,
-                        const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias) {
-  const WoArgs a = w4a16_args(packed, k, scale);
-  const at::Tensor x = rows_of(x_in, k);
-  return like_x(weight_only_linear(x, a, /*int4=*/true, k, packed.size(0), zero, bias), x_in);
-}
-
+#include "quant_wo_plan.h"
 #include "quant_w4_layouts.h"
 
 // Per-token symmetric int8 quantization of x [M, K] with the torch reference's rounding (s = max|x| / 127, q =

@@ -62,17 +62,7 @@ at::Tensor w4a16_block_pack(const at::Tensor& packed) { return w4a16_block_layou
 at::Tensor w4a16_block_unpack(const at::Tensor& blocked) { return w4a16_block_layout(blocked, false); }
 
 // w4a16_linear with the weight in the blocked layout (K % 64 == 0; G = 1 or groups of a multiple of 64 columns).
-// The blocked kernel serves 16-bit x on AVX2 CPUs without AVX512-VNNI; any other call (fp32 x, x with a NaN / inf,
-// another CPU, the kernels switched off by tests) runs w4a16_linear on the rows, restored for that call.
-at::Tensor w4a16_linear_blocked(const at::Tensor& x_in, const at::Tensor& blocked, int64_t k, const at::Tensor& scale,
+at::Tensor w4a16_linear_blocked(const at::Tensor& x, const at::Tensor& blocked, int64_t k, const at::Tensor& scale,
                                 const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias) {
-  WoArgs a = w4a16_args(blocked, k, scale);
-  TORCH_CHECK(k % 64 == 0 && (a.groups == 1 || a.gs % 64 == 0),
-              "the blocked int4 layout needs K and the group size to be multiples of 64, got K = ", k, ", group ",
-              a.gs);
-  a.blocked = true;
-  const at::Tensor x = rows_of(x_in, k);
-  const at::Tensor y = weight_only_linear(x, a, /*int4=*/true, k, blocked.size(0), zero, bias);
-  if (!y.defined()) return w4a16_linear(x_in, w4a16_block_unpack(blocked), k, scale, zero, bias);
-  return like_x(y, x_in);
+  return run_wo(x, plan_w4a16(blocked, k, scale, zero, bias, true));
 }
