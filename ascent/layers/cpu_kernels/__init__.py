@@ -7,11 +7,14 @@ between layers, so a 4-op RMSNorm costs ~30-40 µs where one fused call costs a 
 ``fused_ops()`` returns the compiled module, or None when the kernels do not apply: disabled with
 ``ASCENT_CPU_FUSED_OPS=0``, the current hardware profile lacks ``RUNTIME_CUSTOM_OPS``, or the build failed (no
 compiler: one warning, then the torch paths are used). The build is cached under ``$ASCENT_CACHE_DIR`` (default
-``~/.cache/ascent``) keyed by the source hash, torch version and CPU, so later processes only load the library.
+``~/.cache/ascent``) keyed by the sources' bytes and directory, the torch version and the CPU, so later processes only
+load the library. Builds and loads of one module are serialized across processes by an OS file lock
+(:func:`exclusive_build`), which a killed process cannot leave behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -20,8 +23,14 @@ import platform
 import re
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: torch's own baton only
+    fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +40,25 @@ _SOURCE = Path(__file__).with_name("fused_cpu.cpp")
 def _build_dir(source_hash: str) -> Path:
     root = Path(os.environ.get("ASCENT_CACHE_DIR") or Path.home() / ".cache" / "ascent")
     return root / "cpu_kernels" / f"{source_hash}-torch{torch.__version__}-{platform.machine()}"
+
+
+@contextlib.contextmanager
+def exclusive_build(build_dir: Path) -> Iterator[None]:
+    """Hold ``build_dir``'s ascent lock: an ``flock`` on ``build_dir/ascent.lock``, which the OS releases when its
+    holder exits or is killed. torch's ``cpp_extension.load`` guards a build with a baton file (``build_dir/lock``)
+    that a process killed mid-build (Ctrl-C during the first start-up) leaves behind, and every later load then waits
+    on it forever. Every ascent load takes this lock first, so a baton found while holding it is such a leftover and is
+    removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "ascent.lock", "a") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _compile_flags() -> list[str]:
@@ -56,6 +84,15 @@ def _included(source_name: str) -> list[str]:
     return found
 
 
+def build_hash(source: Path, flags: list[str]) -> str:
+    """The build directory's key: the bytes of ``source`` and of every header it includes, its directory (ninja's
+    build file names the source by path, so two checkouts sharing one directory would rebuild each other's module)
+    and the compile flags."""
+    text = source.read_bytes() + b"".join(source.with_name(name).read_bytes() for name in _included(source.name))
+    place = str(source.resolve().parent).encode()
+    return hashlib.sha256(text + place + " ".join(flags).encode()).hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=None)
 def load_extension(source_name: str) -> ModuleType | None:
     """Build (once, cached on disk) and import the C++ extension ``source_name`` of this directory; None on failure.
@@ -70,13 +107,12 @@ def load_extension(source_name: str) -> ModuleType | None:
         logger.warning("CPU kernel source %s is missing; using torch ops", source)
         return None
     flags = _compile_flags()
-    text = source.read_bytes() + b"".join(source.with_name(name).read_bytes() for name in _included(source_name))
-    source_hash = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:16]
+    source_hash = build_hash(source, flags)
     build_dir = _build_dir(source_hash)
-    build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(name=f"ascent_{source.stem}_{source_hash}", sources=[str(source)],
-                                  extra_cflags=flags, build_directory=str(build_dir), verbose=False)
+        with exclusive_build(build_dir):
+            return cpp_extension.load(name=f"ascent_{source.stem}_{source_hash}", sources=[str(source)],
+                                      extra_cflags=flags, build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # no compiler / headers: fall back to the torch paths, once, loudly
         logger.warning("CPU kernels of %s unavailable (%s: %s); using torch ops", source_name, type(exc).__name__, exc)
         return None
