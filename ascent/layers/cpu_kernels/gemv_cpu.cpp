@@ -238,17 +238,22 @@ SmallMLinear plan_linear_small_m(const torch::Tensor& weight, const c10::optiona
   return {weight.data_ptr(), has_bias ? bias->data_ptr() : nullptr, weight.scalar_type(), n, weight.size(1)};
 }
 
-// x [..., K] in the plan's dtype -> [..., N] in x's dtype.
-torch::Tensor run_linear_small_m(const torch::Tensor& x, const SmallMLinear& plan) {
+// x [..., K] in the plan's dtype -> [..., N] in x's dtype: out_into when defined (a contiguous [M, N] tensor of x's
+// dtype that does not overlap x, written in place; x then 2-D), else a new tensor.
+torch::Tensor run_linear_small_m(const torch::Tensor& x, const SmallMLinear& plan,
+                                 const torch::Tensor& out_into = torch::Tensor()) {
   TORCH_CHECK(x.device().is_cpu(), "linear_small_m: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == plan.dtype, "linear_small_m: x dtype ", x.scalar_type(), " != weight dtype ",
               plan.dtype);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == plan.k, "linear_small_m: x last dim ", x.size(-1), " != weight K ",
               plan.k);
   const int64_t n = plan.n, k = plan.k;
-  auto x2 = x.reshape({-1, k}).contiguous();
+  const torch::Tensor x2 = x.dim() == 2 && x.is_contiguous() ? x : x.reshape({-1, k}).contiguous();
   const int64_t m = x2.size(0);
-  auto out = torch::empty({m, n}, x.options());
+  torch::Tensor out = out_into.defined() ? out_into : torch::empty({m, n}, x.options());
+  TORCH_CHECK(!out_into.defined() || (x.dim() == 2 && out.is_contiguous() && out.dim() == 2 && out.size(0) == m &&
+                                      out.size(1) == n && out.scalar_type() == x.scalar_type()),
+              "linear_small_m: out must be a contiguous [", m, ", ", n, "] ", x.scalar_type(), " tensor");
   const bool is_half = x.scalar_type() == at::kHalf;
   const Path path = pick_path(is_half);
   GemvArgs a{x2.data_ptr(), plan.weight, plan.bias, out.data_ptr(), m, n, k, is_half};
@@ -265,6 +270,7 @@ torch::Tensor run_linear_small_m(const torch::Tensor& x, const SmallMLinear& pla
   ascent_par::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     run_rows(a, path, is_half, b0 * kRowBlock, std::min(n, b1 * kRowBlock));
   });
+  if (x.dim() == 2) return out;
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = n;
   return out.view(out_sizes);

@@ -215,9 +215,11 @@ void parallel_rows(int64_t n, const Body& body) {
 
 // y [M, N] = x @ ((q - zero) * scale)^T (+ bias) for either weight layout (K columns; base describes the weights
 // and the fp32 path's x layout). acc = sum_g s * (x_g . q_g) from the block kernels, then y = acc - sum_g z * s *
-// sum(x_g) (+ bias), rounded once to x's dtype.
+// sum(x_g) (+ bias), rounded once to x's dtype; into out_into when defined (a contiguous [M, N] tensor of x's dtype
+// that does not overlap x), else a new tensor.
 at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4, int64_t k, int64_t n_out,
-                              const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias) {
+                              const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& bias,
+                              const at::Tensor& out_into) {
   const int64_t m_rows = x.size(0), groups = base.groups;
   const bool has_zero = zero.has_value() && zero->defined();
   if (has_zero) check_vec(*zero, "zero", n_out * groups, at::kFloat);
@@ -257,7 +259,10 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
     a.ldx = base.kp;
   }
   const std::vector<float> bv = float_bias(bias, n_out);
-  auto out = at::empty({m_rows, n_out}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const at::Tensor out = out_into.defined() ? out_into : at::empty({m_rows, n_out}, x.options());
+  TORCH_CHECK(!out_into.defined() || (out.is_contiguous() && out.dim() == 2 && out.size(0) == m_rows &&
+                                      out.size(1) == n_out && out.scalar_type() == x.scalar_type()),
+              "out must be a contiguous [", m_rows, ", ", n_out, "] ", x.scalar_type(), " tensor");
   const Store store{out.data_ptr(), out.scalar_type(), n_out};
   const int64_t m_step = vnni ? kVnniMaxM : (bf16 || fma8 ? kBf16MaxM : (fixed8 ? kWo8FixedMaxM : 2));
   const int64_t span = (vnni && !use_vnni()) || fixed8 ? kSpanRows : kRowBlock;  // rows per kernel call

@@ -56,12 +56,14 @@ at::Tensor w4a16_block_unpack(const at::Tensor& blocked);
 
 // y [..., N] = x [..., K] @ ((q - zero) * scale)^T (+ bias). The blocked layout is read by the AVX2 int4 kernel
 // only: any other call (fp32 x, x with a NaN / inf, another CPU, the kernels switched off by tests) runs on the
-// rows, restored for that call.
-at::Tensor run_wo(const at::Tensor& x_in, const WoPlan& plan) {
+// rows, restored for that call. Into out_into when defined (x_in then 2-D; see weight_only_linear), else a new tensor.
+at::Tensor run_wo(const at::Tensor& x_in, const WoPlan& plan, const at::Tensor& out_into = at::Tensor()) {
+  TORCH_CHECK(!out_into.defined() || x_in.dim() == 2, "run_wo: an out tensor needs a 2-D x, got ", x_in.sizes());
   const at::Tensor x = rows_of(x_in, plan.k);
-  const at::Tensor y = weight_only_linear(x, plan.args, plan.int4, plan.k, plan.n, plan.zero, plan.bias);
+  const at::Tensor y = weight_only_linear(x, plan.args, plan.int4, plan.k, plan.n, plan.zero, plan.bias, out_into);
   if (y.defined()) return like_x(y, x_in);
-  return run_wo(x_in, plan_w4a16(w4a16_block_unpack(plan.weight), plan.k, plan.scale, plan.zero, plan.bias, false));
+  const WoPlan rows = plan_w4a16(w4a16_block_unpack(plan.weight), plan.k, plan.scale, plan.zero, plan.bias, false);
+  return run_wo(x_in, rows, out_into);
 }
 
 // y [M, N] = x [M, K] @ ((q - zero) * scale)^T (+ bias); q int8 [N, K], scale / zero fp32 [N, G].
