@@ -54,6 +54,15 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at:
   return at::linear(x, weight, bias);
 }
 
+// `reuse` as a contiguous [like rows, n] tensor of like's dtype (like 2-D): a step buffer of the decode stack,
+// allocated when it is not one already (the step's first layer).
+const at::Tensor& step_buffer(at::Tensor& reuse, const at::Tensor& like, int64_t n) {
+  if (!reuse.defined() || reuse.size(0) != like.size(0) || reuse.size(1) != n ||
+      reuse.scalar_type() != like.scalar_type())
+    reuse = at::empty({like.size(0), n}, like.options());
+  return reuse;
+}
+
 // One projection of a layer: which kernel computes x @ W^T (+ bias) and the operands it takes, in the order the
 // Python side (``LinearMethod.decode_stack_call``) gives them.
 // An empty tensor stands for an absent optional operand. The small-M dense, NV-layout and weight-only kinds check
@@ -115,10 +124,10 @@ struct LinearCall {
         if (x.size(0) <= ints[1] || x.size(0) > ints[0])
           return dense_linear(x, t[0], t[1], t[2], t[3], ints[0], ints[1]);
         if (small_m.weight == nullptr) small_m = plan_linear_small_m(t[0], optional_tensor(t[1]));
-        return run_linear_small_m(x, small_m, fit(reuse, x, small_m.n));
+        return run_linear_small_m(x, small_m, step_buffer(reuse, x, small_m.n));
       }
       case kW8A16:
-      case kW4A16: return ascent_quant::run_wo(x, wo_plan(), fit(reuse, x, wo_plan().n));
+      case kW4A16: return ascent_quant::run_wo(x, wo_plan(), step_buffer(reuse, x, wo_plan().n));
       case kW8A8Dynamic: return ascent_quant::w8a8_dynamic_linear(x, t[0], t[1], t[2], optional_tensor(t[3]));
       case kW8A8DynamicAmx: return ascent_quant::w8a8_dynamic_linear_amx(x, t[0], t[1], optional_tensor(t[2]));
       case kW8A16Amx: {
@@ -161,13 +170,6 @@ struct LinearCall {
         return ascent_amx::amx_wo_linear(x, t[0], t[1], optional_tensor(t[2]));
       default: TORCH_CHECK(false, "DecodeStack: unknown linear kind ", kind);
     }
-  }
-
-  // `reuse` as a contiguous [x rows, n] tensor of x's dtype (x 2-D), allocated when it is not one already.
-  static const at::Tensor& fit(at::Tensor& reuse, const at::Tensor& x, int64_t n) {
-    if (!reuse.defined() || reuse.size(0) != x.size(0) || reuse.size(1) != n || reuse.scalar_type() != x.scalar_type())
-      reuse = at::empty({x.size(0), n}, x.options());
-    return reuse;
   }
 
   static LinearCall make(int64_t kind, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
@@ -246,7 +248,7 @@ struct StepBuffers {
   const at::Tensor& sum(const at::Tensor& like) {
     at::Tensor& s = sums[next_sum];
     next_sum ^= 1;
-    return LinearCall::fit(s, like, like.size(1));
+    return step_buffer(s, like, like.size(1));
   }
 
   // qkv's q, k, v and q-and-k column ranges (q + kv + kv columns), made once per buffer.
@@ -338,20 +340,20 @@ class DecodeStack {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const DecodeLayer& l = layers_[i];
       if (i == 0) {
-        rms_norm_into(hidden, l.input_norm, eps_, LinearCall::fit(buf.normed, hidden, hidden.size(1)));
+        rms_norm_into(hidden, l.input_norm, eps_, step_buffer(buf.normed, hidden, hidden.size(1)));
       } else {
         const at::Tensor& sum = buf.sum(hidden);
-        const at::Tensor& normed = LinearCall::fit(buf.normed, hidden, hidden.size(1));
+        const at::Tensor& normed = step_buffer(buf.normed, hidden, hidden.size(1));
         add_rms_norm_into(hidden, residual, l.input_norm, eps_, normed, sum);
         residual = sum;
       }
       const at::Tensor o = l.o.run(attention(l, l.qkv.run(buf.normed, buf.qkv), cos_sin, write_slots, decode_slots,
                                              seq_lens, buf), buf.o);
       const at::Tensor& sum = buf.sum(o);
-      add_rms_norm_into(o, residual, l.post_norm, eps_, LinearCall::fit(buf.normed, o, o.size(1)), sum);
+      add_rms_norm_into(o, residual, l.post_norm, eps_, step_buffer(buf.normed, o, o.size(1)), sum);
       residual = sum;
       const at::Tensor gate_up = l.gate_up.run(buf.normed, buf.gate_up);
-      silu_and_mul_into(gate_up, LinearCall::fit(buf.act, gate_up, gate_up.size(1) / 2));
+      silu_and_mul_into(gate_up, step_buffer(buf.act, gate_up, gate_up.size(1) / 2));
       hidden = l.down.run(buf.act, buf.down);
     }
     if (final_norm.has_value()) return add_rms_norm(hidden, residual, *final_norm, final_eps);
@@ -381,7 +383,7 @@ class DecodeStack {
     at::Tensor planes = l.kv_planes;
     paged_kv_write(planes, k_rows, buf.v_rows, write_slots);
     return paged_decode_attention_into(q_rows, l.kv_heads4, decode_slots, seq_lens, heads_, scale_, l.window,
-                                       LinearCall::fit(buf.attn, q_rows, q));
+                                       step_buffer(buf.attn, q_rows, q));
   }
 
   // The rows up to which a dense projection stays on this directory's kernels (AMX tiles / small-M kernel).

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "out_rows.h"
 #include "parallel_team.h"
 
 namespace {
@@ -33,15 +34,7 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(1) == 1, name, " must be contiguous in its last dim");
 }
 
-// The output of a row kernel: `out` when defined (a contiguous [rows, cols] tensor of like's dtype, written in place;
-// the decode stack's workspace), else a new tensor.
-at::Tensor out_or_new(const at::Tensor& out, int64_t rows, int64_t cols, const at::Tensor& like) {
-  if (!out.defined()) return at::empty({rows, cols}, like.options());
-  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows && out.size(1) == cols &&
-                  out.scalar_type() == like.scalar_type(),
-              "out must be a contiguous [", rows, ", ", cols, "] ", like.scalar_type(), " tensor, got ", out.sizes());
-  return out;
-}
+using ascent_out::out_or_new;
 
 // y = x / sqrt(mean(x^2) + eps) * w over each row of s (fp32 statistics, one rounding), as F.rms_norm.
 template <typename T>

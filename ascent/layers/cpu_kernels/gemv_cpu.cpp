@@ -15,6 +15,7 @@
 #include <cstring>
 #include <vector>
 
+#include "out_rows.h"
 #include "parallel_team.h"
 #include "stream_prefetch.h"
 
@@ -250,10 +251,8 @@ torch::Tensor run_linear_small_m(const torch::Tensor& x, const SmallMLinear& pla
   const int64_t n = plan.n, k = plan.k;
   const torch::Tensor x2 = x.dim() == 2 && x.is_contiguous() ? x : x.reshape({-1, k}).contiguous();
   const int64_t m = x2.size(0);
-  torch::Tensor out = out_into.defined() ? out_into : torch::empty({m, n}, x.options());
-  TORCH_CHECK(!out_into.defined() || (x.dim() == 2 && out.is_contiguous() && out.dim() == 2 && out.size(0) == m &&
-                                      out.size(1) == n && out.scalar_type() == x.scalar_type()),
-              "linear_small_m: out must be a contiguous [", m, ", ", n, "] ", x.scalar_type(), " tensor");
+  TORCH_CHECK(!out_into.defined() || x.dim() == 2, "linear_small_m: an out tensor needs a 2-D x, got ", x.sizes());
+  const torch::Tensor out = ascent_out::out_or_new(out_into, m, n, x);
   const bool is_half = x.scalar_type() == at::kHalf;
   const Path path = pick_path(is_half);
   GemvArgs a{x2.data_ptr(), plan.weight, plan.bias, out.data_ptr(), m, n, k, is_half};

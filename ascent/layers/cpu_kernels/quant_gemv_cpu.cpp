@@ -27,6 +27,7 @@
 #include <torch/extension.h>
 
 #include "amx_tiles.h"
+#include "out_rows.h"
 #include "parallel_team.h"
 #include "stream_prefetch.h"
 
@@ -259,10 +260,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const WoArgs& base, bool int4
     a.ldx = base.kp;
   }
   const std::vector<float> bv = float_bias(bias, n_out);
-  const at::Tensor out = out_into.defined() ? out_into : at::empty({m_rows, n_out}, x.options());
-  TORCH_CHECK(!out_into.defined() || (out.is_contiguous() && out.dim() == 2 && out.size(0) == m_rows &&
-                                      out.size(1) == n_out && out.scalar_type() == x.scalar_type()),
-              "out must be a contiguous [", m_rows, ", ", n_out, "] ", x.scalar_type(), " tensor");
+  const at::Tensor out = ascent_out::out_or_new(out_into, m_rows, n_out, x);
   const Store store{out.data_ptr(), out.scalar_type(), n_out};
   const int64_t m_step = vnni ? kVnniMaxM : (bf16 || fma8 ? kBf16MaxM : (fixed8 ? kWo8FixedMaxM : 2));
   const int64_t span = (vnni && !use_vnni()) || fixed8 ? kSpanRows : kRowBlock;  // rows per kernel call
