@@ -109,11 +109,6 @@ struct LinearCall {
     return wo;
   }
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    at::Tensor none;
-    return run(x, none);
-  }
-
   // y [M, N] = x [M, K] @ W^T (+ bias). The kernels that write into a given tensor (the small-M dense one, the
   // weight-only ones) write into `reuse`, (re)allocated as [M, N] first when it is not that already: a step's buffer
   // that every layer reuses (a decode step then allocates per step, not per layer). Other kinds return a new tensor.
