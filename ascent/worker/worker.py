@@ -9,6 +9,7 @@ import torch
 
 from ascent.config import DEFAULT_KV_CACHE_FRACTION, EngineConfig, available_memory_bytes
 from ascent.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from ascent.loader.gguf import release_gguf_readers
 from ascent.platform.cpu_allocator import keep_freed_buffers
 from ascent.platform.huge_pages import advise_engine_memory, module_tensors
 from ascent.worker.model_runner import ModelRunner
@@ -32,6 +33,7 @@ class Worker:
     def load_model(self) -> None:
         start = time.perf_counter()
         self.model_runner.load_model()
+        release_gguf_readers()  # the tokenizer and config were read before the worker loads the weights
         self.timings["load_weights_s"] = time.perf_counter() - start
         eplb_config = getattr(self.config, "eplb_config", None)
         if eplb_config is not None and eplb_config.enable:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ascent.default_model import default_model_path
-from ascent.loader.gguf import gguf_tensor_name_to_hf, gguf_to_hf_config, iterate_gguf_weights
+from ascent.loader.gguf import (_cached_reader, gguf_tensor_name_to_hf, gguf_to_hf_config, iterate_gguf_weights,
+                                release_gguf_readers)
 from ascent.loader.model_info import derive_max_model_len, get_model_dtype
 from ascent.models.common import head_dim_of
 
@@ -278,3 +279,16 @@ def test_rope_freqs_tensor_reproduces_llama3_scaling(tmp_path: Path) -> None:
     assert attention_factor == 1.0 and not torch.allclose(inv, base_inv)  # the factors mattered
     with pytest.raises(ValueError, match="freq_factors has 3 entries"):
         compute_inv_freq(head, 1024, {**params, "freq_factors": [1.0, 2.0, 3.0]})
+
+
+def test_readers_are_shared_until_released(tmp_path: Path) -> None:
+    path = str(tmp_path / "llama.gguf")
+    _write_tiny_gguf("llama", tmp_path / "llama.gguf")
+    release_gguf_readers()
+    gguf_to_hf_config(path)
+    dict(iterate_gguf_weights(path))
+    info = _cached_reader.cache_info()
+    assert info.currsize == 1 and info.hits >= 1  # config and weights read one parsed file
+    release_gguf_readers()
+    assert _cached_reader.cache_info().currsize == 0
+    assert gguf_to_hf_config(path).num_hidden_layers == 2  # a later open parses the file again

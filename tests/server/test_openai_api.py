@@ -3,6 +3,8 @@ logprobs against transformers, and concurrent requests against offline ``LLM.gen
 
 from __future__ import annotations
 
+import re
+
 import asyncio
 import json
 import os
@@ -286,7 +288,8 @@ def test_run_server_serves_until_signal(tiny_llama_dir, tmp_path, stop_signal):
         port = s.getsockname()[1]
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
-    code = ("import argparse, sys; from ascent.entrypoints.openai.api_server import add_serve_args, run_server; "
+    code = ("import argparse, logging, sys; logging.basicConfig(level=logging.INFO); "
+            "from ascent.entrypoints.openai.api_server import add_serve_args, run_server; "
             "sys.exit(run_server(add_serve_args(argparse.ArgumentParser()).parse_args(sys.argv[1:])))")
     args = [tiny_llama_dir, "--port", str(port), "--served-model-name", "first", "second", "--dtype", "float32",
             "--max-model-len", "128", "--kv-cache-memory-bytes", "8M", "--num-threads", "1",
@@ -306,11 +309,34 @@ def test_run_server_serves_until_signal(tiny_llama_dir, tmp_path, stop_signal):
         assert httpx.post(base + "/detokenize", json={"tokens": ids}).json()["prompt"] == "[user]hi"
         proc.send_signal(getattr(signal, stop_signal))
         assert proc.wait(timeout=60) == 0
+        frozen = re.search(r"froze (\d+) start-up objects", proc.stdout.read().decode())
+        assert frozen is not None and int(frozen.group(1)) > 10_000  # the start-up heap left the collector's walks
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
         proc.stdout.close()
+
+
+def test_freeze_startup_heap_keeps_collecting_later_garbage():
+    import gc
+    import weakref
+
+    from ascent.entrypoints.openai.api_server import freeze_startup_heap
+
+    class Node:
+        pass
+
+    try:
+        assert freeze_startup_heap() == gc.get_freeze_count() > 0
+        cycle = Node()
+        cycle.self = cycle  # garbage only a collection can free
+        gone = weakref.ref(cycle)
+        del cycle
+        gc.collect()
+        assert gone() is None
+    finally:
+        gc.unfreeze()
 
 
 def _healthy(base: str) -> bool:

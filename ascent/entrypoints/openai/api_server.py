@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import secrets
@@ -302,12 +303,23 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         app = build_app(engine, names, args.chat_template, trace_dir=args.trace_dir, options=options,
                         api_keys=api_keys, allowed_origins=args.allowed_origins, root_path=args.root_path)
+        logger.info("froze %d start-up objects out of the garbage collector's reach", freeze_startup_heap())
         config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log, root_path=args.root_path)
         _run_until_signal(uvicorn.Server(config))
     finally:
         engine.shutdown()
     return 0
+
+
+def freeze_startup_heap() -> int:
+    """vLLM's ``freeze_gc_heap``, for a server whose start-up is done: collect, then move every live object into the
+    permanent generation, which collections skip. Serving then never walks the start-up heap (modules, model,
+    tokenizer; a full collection over it took ~130 ms with SmolLM2), while objects made later are still collected.
+    Collecting first keeps garbage from being frozen. Returns how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _run_until_signal(server: Any) -> None:
