@@ -161,14 +161,14 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Non
                small_m: ModuleType | None, amx: AmxWeight | None = None, float_output: bool = False) -> torch.Tensor:
     """``x [..., in]`` -> ``[..., out]`` through the fastest applicable path; all agree with ``F.linear`` up to fp32
     summation order. ``weight`` may be an empty placeholder when only packed copies are kept. ``float_output``: the
-    caller wants fp32 (the lm_head's logits); the AMX path then writes the rounded values as fp32 in one pass, the
-    others return their usual dtype (the caller converts)."""
+    caller wants fp32 (the lm_head's logits); the AMX and small-M paths then write the rounded values as fp32 in one
+    pass, the others return their usual dtype (the caller converts)."""
     if amx is not None and x.dtype == torch.bfloat16 and x.numel() <= AMX_MAX_M * x.shape[-1]:
         return amx.ops.amx_linear(x, amx.packed, bias, float_output)
     if (small_m is not None and x.dtype == weight.dtype and weight.numel() > 0
             and x.numel() <= small_m_max(x.dtype) * weight.shape[1]
             and (bias is None or bias.dtype == x.dtype)):
-        return small_m.linear_small_m(x, weight, bias)
+        return small_m.linear_small_m(x, weight, bias, float_output)
     if packed is not None and (x.dtype == packed.dtype or packed.dtype == torch.float32):
         return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)

@@ -56,6 +56,19 @@ def test_matches_fp32_reference_within_one_ulp(gemv, isa, dtype, m, n, k, with_b
     assert (got.float() - exact).abs().le(_ulp(exact.to(dtype)) + 1e-4 * exact.abs().max()).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 8, 24])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float_output_is_the_rounded_result_widened(gemv, isa, dtype, m, with_bias):
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 100, generator=gen).to(dtype)
+    w = (torch.randn(259, 100, generator=gen) * 0.1).to(dtype)
+    bias = torch.randn(259, generator=gen).to(dtype) if with_bias else None
+    got = gemv.linear_small_m(x, w, bias, float_output=True)
+    assert got.dtype == torch.float32 and got.shape == (m, 259)
+    assert torch.equal(got, gemv.linear_small_m(x, w, bias).float())
+
+
 def test_leading_dims_and_strided_input(gemv):
     x = torch.randn(2, 1, 4, 64)[..., :48].to(torch.bfloat16)  # non-contiguous last-dim slice
     w = (torch.randn(24, 48) * 0.1).to(torch.bfloat16)
@@ -85,9 +98,9 @@ class _Recorder:
     def __init__(self, real):
         self.real, self.calls = real, 0
 
-    def linear_small_m(self, x, w, b):
+    def linear_small_m(self, x, w, b, float_output=False):
         self.calls += 1
-        return self.real.linear_small_m(x, w, b)
+        return self.real.linear_small_m(x, w, b, float_output)
 
 
 def test_dispatch_small_m_kernel_then_packed(gemv):

@@ -49,7 +49,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at:
                         const at::Tensor& packed, const at::Tensor& amx, int64_t small_m_max, int64_t amx_max) {
   const c10::optional<at::Tensor> bias = optional_tensor(bias_t);
   if (x.size(0) <= amx_max) return ascent_amx::amx_linear(x, amx, bias);
-  if (x.size(0) <= small_m_max) return linear_small_m(x, weight, bias);
+  if (x.size(0) <= small_m_max) return linear_small_m(x, weight, bias, false);
   if (packed.defined() && packed.numel() > 0) return packed_linear(x, packed, bias);
   return at::linear(x, weight, bias);
 }

@@ -38,21 +38,26 @@ struct GemvArgs {
   const void* x;      // [M,K], 16-bit float (same type as W)
   const void* w;      // [N,K]
   const void* bias;   // [N] in x's dtype, or nullptr
-  void* out;          // [M,N] in x's dtype
+  void* out;          // [M,N] in x's dtype, or fp32 when out_f32
   int64_t m, n, k;
   bool is_half;       // fp16 (else bf16) for x, W, bias and out
   const float* x_split = nullptr;  // x widened to fp32 in split order (AVX2 path from 2 rows), or null
+  bool out_f32 = false;  // out is fp32: the values rounded to x's dtype, widened back (the lm_head's logits)
 
   inline float bias_at(int64_t n_idx) const {
     if (bias == nullptr) return 0.f;
     return is_half ? static_cast<float>(static_cast<const c10::Half*>(bias)[n_idx])
                    : static_cast<float>(static_cast<const c10::BFloat16*>(bias)[n_idx]);
   }
-  // Adds the bias in fp32 and rounds once to the output dtype (round-to-nearest-even), as F.linear does.
+  // Adds the bias in fp32 and rounds once to x's dtype (round-to-nearest-even), as F.linear does; an fp32 out
+  // holds that rounded value, as F.linear(...).float() would.
   inline void store(int64_t m_idx, int64_t n_idx, float acc) const {
     const float v = acc + bias_at(n_idx);
-    if (is_half) static_cast<c10::Half*>(out)[m_idx * n + n_idx] = c10::Half(v);
-    else static_cast<c10::BFloat16*>(out)[m_idx * n + n_idx] = c10::BFloat16(v);
+    const int64_t at = m_idx * n + n_idx;
+    if (out_f32) static_cast<float*>(out)[at] = is_half ? static_cast<float>(c10::Half(v))
+                                                        : static_cast<float>(c10::BFloat16(v));
+    else if (is_half) static_cast<c10::Half*>(out)[at] = c10::Half(v);
+    else static_cast<c10::BFloat16*>(out)[at] = c10::BFloat16(v);
   }
 };
 
@@ -240,9 +245,10 @@ SmallMLinear plan_linear_small_m(const torch::Tensor& weight, const c10::optiona
 }
 
 // x [..., K] in the plan's dtype -> [..., N] in x's dtype: out_into when defined (a contiguous [M, N] tensor of x's
-// dtype that does not overlap x, written in place; x then 2-D), else a new tensor.
+// dtype that does not overlap x, written in place; x then 2-D), else a new tensor. float_output: a new fp32 tensor
+// of the same (rounded) values, written in one pass instead of a conversion after the call.
 torch::Tensor run_linear_small_m(const torch::Tensor& x, const SmallMLinear& plan,
-                                 const torch::Tensor& out_into = torch::Tensor()) {
+                                 const torch::Tensor& out_into = torch::Tensor(), bool float_output = false) {
   TORCH_CHECK(x.device().is_cpu(), "linear_small_m: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == plan.dtype, "linear_small_m: x dtype ", x.scalar_type(), " != weight dtype ",
               plan.dtype);
@@ -252,10 +258,13 @@ torch::Tensor run_linear_small_m(const torch::Tensor& x, const SmallMLinear& pla
   const torch::Tensor x2 = x.dim() == 2 && x.is_contiguous() ? x : x.reshape({-1, k}).contiguous();
   const int64_t m = x2.size(0);
   TORCH_CHECK(!out_into.defined() || x.dim() == 2, "linear_small_m: an out tensor needs a 2-D x, got ", x.sizes());
-  const torch::Tensor out = ascent_out::out_or_new(out_into, m, n, x);
+  TORCH_CHECK(!(float_output && out_into.defined()), "linear_small_m: float_output writes a new tensor");
+  const torch::Tensor out = float_output ? torch::empty({m, n}, x.options().dtype(at::kFloat))
+                                         : ascent_out::out_or_new(out_into, m, n, x);
   const bool is_half = x.scalar_type() == at::kHalf;
   const Path path = pick_path(is_half);
   GemvArgs a{x2.data_ptr(), plan.weight, plan.bias, out.data_ptr(), m, n, k, is_half};
+  a.out_f32 = float_output;
   torch::Tensor x_split;
   if (path == Path::kAvx2 && m >= 2) {  // several x rows share one widening (gemv_avx2.h)
     x_split = torch::empty({m, k}, x.options().dtype(at::kFloat));
@@ -276,9 +285,10 @@ torch::Tensor run_linear_small_m(const torch::Tensor& x, const SmallMLinear& pla
 }
 
 // x [..., K] (bf16/fp16), weight [N, K] (same dtype, contiguous), bias [N] (same dtype) or None
-// -> [..., N] in x's dtype.
-torch::Tensor linear_small_m(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
-  return run_linear_small_m(x, plan_linear_small_m(weight, bias));
+// -> [..., N] in x's dtype, or fp32 holding those values when float_output.
+torch::Tensor linear_small_m(const torch::Tensor& x, const torch::Tensor& weight,
+                             const c10::optional<torch::Tensor>& bias, bool float_output) {
+  return run_linear_small_m(x, plan_linear_small_m(weight, bias), torch::Tensor(), float_output);
 }
 
 // Whether bf16 calls take the AVX512-BF16 dot-product path now (the Python side sizes the small-M range from it).
@@ -303,8 +313,9 @@ int64_t set_gemv_isa_limit(int64_t level) {
 
 #ifndef ASCENT_EMBEDDED_KERNELS  // decode_stack_cpu.cpp includes this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_small_m", &linear_small_m, "y = x @ W^T (+ bias) for small M, bf16/fp16, fp32 accumulation",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("linear_small_m", &linear_small_m, "y = x @ W^T (+ bias) for small M, bf16/fp16, fp32 accumulation; "
+        "float_output: the rounded values as fp32", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+        py::arg("float_output") = false);
   m.def("bf16_dot_path", &bf16_dot_path, "bf16_dot_path() -> whether bf16 takes the AVX512-BF16 path");
   m.def("kernel_path", &kernel_path, "kernel_path(half) -> the path fp16 (half) or bf16 calls take now",
         py::arg("half"));
