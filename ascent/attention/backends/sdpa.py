@@ -266,8 +266,11 @@ class SDPAMetadataBuilder(AttentionMetadataBuilder):
         else:
             md.decode_rows = torch.from_numpy(rows).to(device)
         max_len = int(lens.max()) if len(lens) > 1 else int(lens[0])
-        table = (common.block_table[: len(lens)] if owners is None
-                 else common.block_table.index_select(0, torch.from_numpy(owners).to(device)))
+        table = common.block_table  # (its rows are the requests': a slice only when there are more)
+        if owners is not None:
+            table = table.index_select(0, torch.from_numpy(owners).to(device))
+        elif table.shape[0] != len(lens):
+            table = table[: len(lens)]
         md.decode_seq_lens = torch.from_numpy(lens).to(device)
         md.decode_slots = _context_slots(table, common.block_size, max_len, md.decode_seq_lens, self._fused)
         if len(lens) > 1 and int(lens.min()) < max_len:
