@@ -325,12 +325,12 @@ def test_freeze_startup_heap_keeps_collecting_later_garbage():
     from ascent.entrypoints.openai.api_server import freeze_startup_heap
 
     class Node:
-        pass
+        """Holds a reference to itself below: garbage only a collection frees."""
 
     try:
         assert freeze_startup_heap() > 0 and gc.get_freeze_count() > 0  # (frozen objects still die by refcount)
         cycle = Node()
-        cycle.self = cycle  # garbage only a collection can free
+        cycle.self = cycle
         gone = weakref.ref(cycle)
         del cycle
         gc.collect()
