@@ -1,6 +1,6 @@
 // AVX2 + FMA small-M kernels of gemv_cpu.cpp (CPUs without AVX512, e.g. AMD Zen 1-3), included there inside its
-// anonymous namespace after GemvArgs. Up to kSplitXMinRows - 1 x rows (the memory-bound decode case): W rows are
-// read front to back as several side-by-side streams per thread (run_rows_streams_avx2), one x row split inline,
+// anonymous namespace after GemvArgs. Up to kSplitXMinRows - 1 x rows: W rows are read front to back as several
+// side-by-side streams per thread (run_rows_streams_avx2) in passes of up to 4 x rows, one x row split inline,
 // several widened once to fp32 (GemvArgs::x_split). From kSplitXMinRows rows on the call is compute-bound: tiles
 // of 2 W rows x up to 6 x_split rows spend one FMA per W element and x load; from kPanelMinRows the W rows are
 // repacked into panels for outer-product tiles (gemv_panel_avx2.h).
@@ -146,7 +146,12 @@ __attribute__((target("avx2,fma,f16c"))) void split_x_to_f32(const uint16_t* x, 
   }
 }
 
-constexpr int64_t kSplitXMinRows = 5;  // x rows from which the AVX2 path widens x once (x_split)
+// x rows from which the split tiles take over from passes of the streams. Zen 3, 2 threads, alternated in one
+// process, time of the streams' passes over the split tiles' for SmolLM2's 120 layer linears from DRAM: M = 5 0.98,
+// 6 0.93, 7 0.86, 8 0.89 (IQRs below 1 from M = 6), 9 0.96, 12 0.96, 16 0.98 (IQRs spanning 1 from M = 9), 20 0.99;
+// one layer's linears (cache-resident): M = 6 0.96, 8 0.90, 12 0.95, 16 0.96. The streams then read W once per 4 x
+// rows, yet their side-by-side prefetched rows keep more lines in flight than a tile's two adjacent ones.
+constexpr int64_t kSplitXMinRows = 9;
 constexpr int kSplitTileRowsW = 2;  // W rows per tile
 constexpr int kSplitTileRowsX = 6;  // most x rows per tile: 2 x 6 accumulators + 4 W halves fill 16 ymm registers
 
