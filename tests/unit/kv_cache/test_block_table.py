@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from ascent.worker.block_table import PAD_SLOT_ID, BlockTable, MultiGroupBlockTable, expand_to_kernel_blocks
+from ascent.worker.block_table import (
+    PAD_SLOT_ID,
+    SCALAR_SLOT_TOKENS,
+    BlockTable,
+    MultiGroupBlockTable,
+    expand_to_kernel_blocks,
+)
 
 CPU = torch.device("cpu")
 
@@ -162,3 +168,43 @@ def test_multi_group_table() -> None:
     assert mg[0].num_blocks_per_row[1] == 3 and mg[1].num_blocks_per_row[0] == 0
     with pytest.raises(ValueError, match="2"):
         mg.add_row([[1]], 0)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, SCALAR_SLOT_TOKENS, SCALAR_SLOT_TOKENS + 1, 40])
+def test_few_token_slots_equal_the_vectorized_formula(tokens: int) -> None:
+    """Up to SCALAR_SLOT_TOKENS tokens take the Python loop; both sides of the threshold give the formula's slots,
+    padding tokens included."""
+    rng = np.random.default_rng(tokens)
+    t = BlockTable(6, 8, 16, CPU)
+    rows = [rng.choice(500, size=int(n), replace=False).tolist() for n in rng.integers(1, 9, size=6)]
+    for i, ids in enumerate(rows):
+        t.add_row(ids, i)
+    req = rng.integers(-1, 6, size=tokens)
+    pos = np.array([rng.integers(0, len(rows[q]) * 16) if q >= 0 else 0 for q in req])
+    expected = [PAD_SLOT_ID if q < 0 else rows[q][p // 16] * 16 + p % 16 for q, p in zip(req, pos)]
+    slots = t.compute_slot_mapping(req, pos)
+    assert slots.dtype == np.int64 and slots.tolist() == expected
+
+
+@pytest.mark.parametrize("tokens", [1, SCALAR_SLOT_TOKENS + 1])
+def test_slot_lookup_errors_name_the_bad_value_on_both_paths(tokens: int) -> None:
+    t = _table()
+    ones = np.zeros(tokens, dtype=np.int64)
+    with pytest.raises(ValueError, match="position 512 of row 0 lies in block 4"):
+        t.compute_slot_mapping(ones, np.full(tokens, 512))
+    with pytest.raises(ValueError, match="positions must be >= 0, got -3"):
+        t.compute_slot_mapping(ones, np.full(tokens, -3))
+    with pytest.raises(ValueError, match="req_indices must be < max_num_reqs=4, got 4"):
+        t.compute_slot_mapping(ones + 4, ones)
+
+
+def test_host_table_views_follow_edits_inside_and_outside_inference_mode() -> None:
+    t = _table()
+    with torch.inference_mode():
+        inside = t.get_device_tensor(2)
+    assert t.get_device_tensor(2) is inside and not inside.is_inference()
+    t.add_row([11, 12], 1)
+    assert inside[1, :2].tolist() == [11, 12]
+    inside[0, 0] = 3  # a normal view of the host table: writable outside inference mode
+    assert t.block_table_np[0, 0] == 3
+    assert tuple(t.get_device_tensor(1).shape) == (1, 128) and tuple(t.get_device_tensor(0).shape) == (0, 128)
