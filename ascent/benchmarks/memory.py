@@ -1,8 +1,9 @@
 """B7 memory: the process's peak resident set against the engine's weights + KV cache.
 
 ``ru_maxrss`` is the peak since process start, so it includes load-time transients (e.g. dequantizing a GGUF file)
-and the torch / Python runtime itself; the KV cache counts at its full size although untouched pages of it are not
-resident (``model_runner._allocate_cache``). Call it right after the engine's run, before a peer model is loaded.
+and the torch / Python runtime itself; the KV cache counts at its full size, which is resident from start-up
+(``platform/prefault.py``) unless ``ASCENT_CPU_KV_PREFAULT=0`` leaves its untouched pages lazy. Call it right after
+the engine's run, before a peer model is loaded.
 """
 
 from __future__ import annotations

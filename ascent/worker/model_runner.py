@@ -18,6 +18,7 @@ from ascent.core.sched_output import LogprobsEntry, ModelRunnerOutput, Scheduler
 from ascent.forward_context import set_forward_context
 from ascent.layers.cpu_kernels import sampling_ops
 from ascent.loader.base import get_model
+from ascent.platform.prefault import commit_caches
 from ascent.sample.logprobs import compute_logprobs_tensors
 from ascent.sample.metadata import SamplingMetadata, is_plain_greedy
 from ascent.sample.rng import argmax_rows, make_generator
@@ -50,6 +51,7 @@ class ModelRunner:
         self.max_model_len = self.model_config.max_model_len
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_commit = "not committed"  # how the CPU KV cache's memory was committed (prefault.commit_caches)
         self.profile = config.device_config.profile
         # cpu / 310p profiles: one host uniform per row + inverse CDF (exact, ~3x cheaper than a [B, V] race on CPU)
         self.rng_placement = str(self.profile.rng_placement)
@@ -118,6 +120,8 @@ class ModelRunner:
             cache = _allocate_cache(shape, self.dtype, self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.device.type == "cpu":
+            self.kv_commit = commit_caches([c for c in self.kv_caches if c.nbytes >= LAZY_CACHE_BYTES])
         if self.spec is not None:
             self.spec.initialize_kv_cache(num_blocks)
 
@@ -351,15 +355,19 @@ def _trim_entry(entry: LogprobsEntry, num_logprobs: int) -> LogprobsEntry:
     return LogprobsEntry(entry.token_ids[: 1 + num_logprobs], entry.logprobs[: 1 + num_logprobs], entry.rank)
 
 
+LAZY_CACHE_BYTES = 64 << 20  # CPU KV tensors from this size on are fresh zero pages (see _allocate_cache)
+
+
 def _allocate_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zero-filled KV cache tensor.
 
-    On CPU a large ``torch.empty`` is a fresh anonymous mapping, i.e. kernel zero pages that are only touched when a
-    block is first written, so start-up does not pay for memsetting gigabytes it may never use. Attention never
-    reads a slot that was not written this step or earlier (padding repeats a valid slot), so even reused memory would
-    be safe; ``zero_`` is still used for small tensors where the allocator may hand back recycled memory.
+    On CPU a large ``torch.empty`` is a fresh anonymous mapping, i.e. kernel zero pages that are only resident once
+    written: ``initialize_kv_cache`` then commits them (``platform/prefault.py``: at start-up where that is cheap,
+    else at each block's first write). Attention never reads a slot that was not written this step or earlier
+    (padding repeats a valid slot), so even reused memory would be safe; ``zero_`` is still used for small tensors
+    where the allocator may hand back recycled memory.
     """
-    if device.type == "cpu" and math.prod(shape) * torch.tensor([], dtype=dtype).element_size() >= 64 << 20:
+    if device.type == "cpu" and math.prod(shape) * torch.tensor([], dtype=dtype).element_size() >= LAZY_CACHE_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
     return torch.zeros(shape, dtype=dtype, device=device)
 

@@ -86,9 +86,10 @@ class Worker:
         mc, cc = self.config.model_config, self.config.cache_config
         tokens = (num_blocks - 1) * cc.block_size
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); max concurrency at max_model_len=%d: %.2fx",
-            num_blocks, cc.block_size, tokens, num_blocks * self.model_runner.kv_cache_bytes_per_block() / 2**20,
-            mc.max_model_len, tokens / mc.max_model_len)
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, memory %s; %.2f s); max concurrency at "
+            "max_model_len=%d: %.2fx", num_blocks, cc.block_size, tokens,
+            num_blocks * self.model_runner.kv_cache_bytes_per_block() / 2**20, self.model_runner.kv_commit,
+            self.timings["kv_alloc_s"], mc.max_model_len, tokens / mc.max_model_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output = self.model_runner.execute_model(scheduler_output)
