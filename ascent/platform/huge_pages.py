@@ -74,7 +74,8 @@ def process_state() -> dict[str, Any]:
     return {"kernel_mode": thp_mode(), "torch_allocator": torch_allocates_huge_pages(), "enabled": enabled_from_env()}
 
 
-def _madvise() -> Any:
+def libc_madvise() -> Any:
+    """libc's ``madvise(addr, length, advice) -> int`` through ctypes, or None where it cannot be loaded."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         fn = libc.madvise
@@ -122,7 +123,7 @@ def merge_ranges(ranges: list[tuple[int, int]], max_gap: int = 64 << 10) -> list
 def advise_ranges(ranges: Iterable[tuple[int, int]], collapse: bool) -> int:
     """Advise the 2 MiB-aligned interior of each range ``MADV_HUGEPAGE`` and, with ``collapse``, ``MADV_COLLAPSE``
     it now (populated memory moves onto huge pages; contents unchanged); returns the bytes the kernel accepted."""
-    madvise = _madvise()
+    madvise = libc_madvise()
     if madvise is None:
         return 0
     accepted = 0

@@ -54,7 +54,7 @@ def page_interior(address: int, nbytes: int) -> tuple[int, int]:
 
 def populate_range(start: int, length: int) -> bool:
     """``MADV_POPULATE_WRITE`` of ``[start, start + length)`` (page aligned); True when the kernel populated it."""
-    madvise = huge_pages._madvise()
+    madvise = huge_pages.libc_madvise()
     return madvise is not None and madvise(start, length, _MADV_POPULATE_WRITE) == 0
 
 

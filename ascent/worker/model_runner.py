@@ -51,7 +51,7 @@ class ModelRunner:
         self.max_model_len = self.model_config.max_model_len
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
-        self.kv_commit = "not committed"  # how the CPU KV cache's memory was committed (prefault.commit_caches)
+        self.kv_commit = "not allocated"  # how the KV cache's memory was committed (prefault.commit_caches on CPU)
         self.profile = config.device_config.profile
         # cpu / 310p profiles: one host uniform per row + inverse CDF (exact, ~3x cheaper than a [B, V] race on CPU)
         self.rng_placement = str(self.profile.rng_placement)
@@ -120,8 +120,8 @@ class ModelRunner:
             cache = _allocate_cache(shape, self.dtype, self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
-        if self.device.type == "cpu":
-            self.kv_commit = commit_caches([c for c in self.kv_caches if c.nbytes >= LAZY_CACHE_BYTES])
+        self.kv_commit = ("zero-filled" if self.device.type != "cpu"
+                          else commit_caches([c for c in self.kv_caches if c.nbytes >= LAZY_CACHE_BYTES]))
         if self.spec is not None:
             self.spec.initialize_kv_cache(num_blocks)
 
