@@ -86,11 +86,17 @@ def libc_madvise() -> Any:
     return fn
 
 
-def huge_interior(address: int, nbytes: int) -> tuple[int, int]:
-    """The 2 MiB-aligned part ``(start, length)`` of ``[address, address + nbytes)``; length 0 when there is none."""
-    start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    end = (address + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+def aligned_interior(address: int, nbytes: int, align: int) -> tuple[int, int]:
+    """The ``align``-aligned part ``(start, length)`` of ``[address, address + nbytes)``; length 0 when there is
+    none."""
+    start = -(-address // align) * align
+    end = (address + nbytes) // align * align
     return start, max(end - start, 0)
+
+
+def huge_interior(address: int, nbytes: int) -> tuple[int, int]:
+    """The 2 MiB-aligned part of ``[address, address + nbytes)`` (``aligned_interior``)."""
+    return aligned_interior(address, nbytes, HUGE_PAGE_BYTES)
 
 
 def storage_ranges(tensors: Iterable[Any]) -> list[tuple[int, int]]:

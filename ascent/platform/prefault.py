@@ -46,10 +46,8 @@ def prefault_mode() -> str:
 
 
 def page_interior(address: int, nbytes: int) -> tuple[int, int]:
-    """The page-aligned part ``(start, length)`` of ``[address, address + nbytes)``; length 0 when there is none."""
-    start = -(-address // PAGE_BYTES) * PAGE_BYTES
-    end = (address + nbytes) // PAGE_BYTES * PAGE_BYTES
-    return start, max(end - start, 0)
+    """The page-aligned part of ``[address, address + nbytes)`` (``huge_pages.aligned_interior``)."""
+    return huge_pages.aligned_interior(address, nbytes, PAGE_BYTES)
 
 
 def populate_range(start: int, length: int) -> bool:
