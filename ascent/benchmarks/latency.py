@@ -15,7 +15,8 @@ import numpy as np
 from ascent.benchmarks.common import Timer, collect_env, dtype_name, percentiles, pin_threads, safe_ratio, write_json
 from ascent.benchmarks.datasets import sample_requests
 from ascent.benchmarks.hf_peer import load_peer_model, peer_latencies
-from ascent.benchmarks.roofline import calibrate, merge_calibrations, roofline_report
+from ascent.benchmarks.roofline import (StreamProbe, calibrate, merge_calibrations, paired_bandwidth_fractions,
+                                        roofline_report, with_stream_readings)
 from ascent.benchmarks.throughput import build_llm, engine_generate, prompt_vocab_size, roofline_sizes
 
 
@@ -49,15 +50,21 @@ def _fraction_of_ceiling(metrics: dict[str, Any], report: dict[str, Any]) -> flo
     return safe_ratio(metrics["decode_tokens_per_second"], ceiling)
 
 
-def engine_latencies(llm: Any, requests: list, num_iters: int, num_iters_warmup: int) -> list[float]:
-    """Wall times (s) of ``num_iters`` greedy generates of the whole batch after the warmup iterations."""
+def engine_latencies(llm: Any, requests: list, num_iters: int, num_iters_warmup: int,
+                     probe: StreamProbe | None = None) -> list[float]:
+    """Wall times (s) of ``num_iters`` greedy generates of the whole batch after the warmup iterations; with a
+    ``probe``, the stream bandwidth is read before the first timed iteration and after each one."""
     for _ in range(num_iters_warmup):
         engine_generate(llm, requests, 0.0)
+    if probe is not None:
+        probe.read_gbps()
     latencies = []
     for _ in range(num_iters):
         with Timer() as timer:
             engine_generate(llm, requests, 0.0)
         latencies.append(timer.elapsed)
+        if probe is not None:
+            probe.read_gbps()
     return latencies
 
 
@@ -67,15 +74,22 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     threads = pin_threads(args.num_threads)
     llm = build_llm(args, args.input_len + args.output_len, enable_prefix_caching=False)
     mc = llm.llm_engine.config.model_config
-    calibration = calibrate(mc.torch_dtype, roofline_sizes(args))
+    sizes = roofline_sizes(args)
+    calibration = calibrate(mc.torch_dtype, sizes)
     requests = sample_requests(args.batch_size, (args.input_len, args.input_len), (args.output_len, args.output_len),
                                prompt_vocab_size(llm), args.seed)
-    latencies = engine_latencies(llm, requests, args.num_iters, args.num_iters_warmup)
-    calibration = merge_calibrations(calibration, calibrate(mc.torch_dtype, roofline_sizes(args)))
+    probe = StreamProbe(sizes.stream_bytes)
+    latencies = engine_latencies(llm, requests, args.num_iters, args.num_iters_warmup, probe)
+    calibration = merge_calibrations(calibration, calibrate(mc.torch_dtype, sizes))
+    calibration = with_stream_readings(calibration, probe.readings)
     report = roofline_report(mc.hf_config, mc.torch_dtype, calibration, args.batch_size,
                              args.input_len + args.output_len / 2.0)
     weight_bytes = report["ceilings"]["weight_bytes_per_step"] if report["ceilings"] else None
     ours = latency_metrics(latencies, args.batch_size, args.output_len, weight_bytes)
+    probe_readings = probe.readings
+    paired = (paired_bandwidth_fractions(weight_bytes, args.output_len, latencies, probe_readings)
+              if weight_bytes else None)
+    del probe  # frees the stream buffer before the peer loads
     peer = None
     if not args.no_peer:
         pin_threads(threads)
@@ -96,6 +110,9 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
         "weight_bytes_per_step": weight_bytes,
         "fraction_of_bandwidth_roofline": safe_ratio(ours["achieved_weight_bandwidth_gbps"], gemv),
         "fraction_of_decode_ceiling": _fraction_of_ceiling(ours, report),
+        "paired_stream_gbps": probe_readings,
+        "paired_bandwidth_fractions": paired,
+        "paired_fraction_of_bandwidth_roofline": float(np.median(paired)) if paired else None,
         "peer": peer,
         "ratio_vs_peer": safe_ratio(ours["decode_tokens_per_second"],
                                     peer["decode_tokens_per_second"] if peer else None),
@@ -134,6 +151,10 @@ def format_summary(result: dict[str, Any]) -> str:
         lines.append(f"  roofline at batch {cfg['batch_size']}: ceiling {_fmt(ceilings['ceiling_tok_s'])} tok/s "
                      f"({bound}-bound; GEMM {_fmt(result['roofline']['calibration']['peak_gflops'], '.0f')} GFLOP/s)"
                      f" -> ascent at {_fmt(result['fraction_of_decode_ceiling'], '.3f')} of it")
+    if result["paired_fraction_of_bandwidth_roofline"] is not None:
+        streams = ", ".join(_fmt(x, ".1f") for x in result["paired_stream_gbps"])
+        lines.append(f"  paired with the stream read before/after each iteration ({streams} GB/s): median "
+                     f"{_fmt(result['paired_fraction_of_bandwidth_roofline'], '.3f')} of bandwidth")
     if peer:
         lines.append(f"  HF peer: avg {_fmt(peer['avg_latency'], '.4f')} s  {_fmt(peer['decode_tokens_per_second'])}"
                      f" tok/s  ratio ascent/HF = {_fmt(result['ratio_vs_peer'])}")

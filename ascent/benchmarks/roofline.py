@@ -44,9 +44,37 @@ class RooflineSizes:
 
 def measure_stream_read_gbps(nbytes: int, repeats: int = 5) -> float:
     """Streaming-read bandwidth (GB/s) of a torch fp32 sum over ``nbytes`` (uses the pinned torch threads)."""
-    data = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
-    seconds = best_time(lambda: data.sum(), repeats)
-    return data.numel() * 4 / seconds / 1e9
+    return StreamProbe(max(nbytes, 4), repeats).read_gbps()
+
+
+class StreamProbe:
+    """A streaming-read probe kept alive across a benchmark, so the box's bandwidth can be read right before and
+    after each timed iteration. On a shared host the available bandwidth drifts by tens of percent within a run
+    (neighbours, vCPU placement); an iteration is then compared with the bandwidth of its own moment instead of
+    the best moment of the run (``paired_bandwidth_fractions``)."""
+
+    def __init__(self, nbytes: int, repeats: int = 3) -> None:
+        if nbytes < 4 or repeats < 1:
+            raise ValueError(f"nbytes={nbytes!r} must be at least 4 and repeats={repeats!r} at least 1")
+        self.data = torch.ones(nbytes // 4, dtype=torch.float32)
+        self.repeats = repeats
+        self.readings: list[float] = []
+
+    def read_gbps(self) -> float:
+        """Measure once (best of ``repeats`` fp32 sums, torch threads), record and return the GB/s."""
+        gbps = self.data.numel() * 4 / best_time(lambda: self.data.sum(), self.repeats) / 1e9
+        self.readings.append(gbps)
+        return gbps
+
+
+def paired_bandwidth_fractions(weight_bytes: int, steps: int, seconds: list[float],
+                               stream_gbps: list[float]) -> list[float]:
+    """Per timed iteration i (``steps`` weight reads in ``seconds[i]``): achieved weight GB/s over the higher of the
+    stream readings taken just before (``stream_gbps[i]``) and just after (``stream_gbps[i + 1]``) it."""
+    if len(stream_gbps) != len(seconds) + 1:
+        raise ValueError(f"{len(stream_gbps)} stream readings for {len(seconds)} iterations; need one more")
+    return [weight_bytes * steps / sec / 1e9 / max(stream_gbps[i], stream_gbps[i + 1])
+            for i, sec in enumerate(seconds)]
 
 
 def measure_numpy_stream_read_gbps(nbytes: int, repeats: int = 5) -> float:
@@ -110,6 +138,13 @@ def merge_calibrations(first: dict[str, Any], second: dict[str, Any]) -> dict[st
     ceilings the run is compared with."""
     merged = {**first, **{k: max(first[k], second[k]) for k in RATE_KEYS}}
     merged["passes"] = int(first.get("passes", 1)) + int(second.get("passes", 1))
+    return {**merged, **ceiling_rates(merged)}
+
+
+def with_stream_readings(calibration: dict[str, Any], readings: list[float]) -> dict[str, Any]:
+    """``calibration`` whose stream figure is also the best of ``readings`` (a ``StreamProbe``'s, taken during the
+    run), so a probe that caught a faster moment raises the ceilings the run is compared with."""
+    merged = {**calibration, "stream_read_gbps": max([calibration["stream_read_gbps"], *readings])}
     return {**merged, **ceiling_rates(merged)}
 
 

@@ -141,6 +141,13 @@ def test_latency_smoke(tiny_llama_dir: str, tmp_path) -> None:
         data["achieved_weight_bandwidth_gbps"] / data["roofline"]["calibration"]["bandwidth_gbps"])
     assert data["ratio_vs_peer"] == pytest.approx(
         data["decode_tokens_per_second"] / data["peer"]["decode_tokens_per_second"])
+    streams = data["paired_stream_gbps"]  # one reading before the timed iterations, one after each
+    assert len(streams) == 3 and all(_positive(x) for x in streams)
+    assert data["roofline"]["calibration"]["stream_read_gbps"] >= max(streams)
+    paired = [data["weight_bytes_per_step"] * 8 / lat / 1e9 / max(streams[i], streams[i + 1])
+              for i, lat in enumerate(data["latencies"])]
+    assert data["paired_bandwidth_fractions"] == pytest.approx(paired)
+    assert data["paired_fraction_of_bandwidth_roofline"] == pytest.approx(sum(paired) / 2)
     ceiling = data["roofline"]["ceilings"]
     assert ceiling["batch_size"] == 2 and ceiling["mean_context"] == pytest.approx(8 + 8 / 2)
     for result in (data, data["peer"]):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ascent.benchmarks.roofline import RATE_KEYS, ceiling_rates, merge_calibrations
+from ascent.benchmarks.roofline import (RATE_KEYS, StreamProbe, ceiling_rates, merge_calibrations,
+                                        paired_bandwidth_fractions, with_stream_readings)
 
 
 def _calibration(**rates: float) -> dict:
@@ -39,3 +40,27 @@ def test_merge_needs_every_rate():
     del partial["gemv_fp32_gbps"]
     with pytest.raises(KeyError):
         merge_calibrations(partial, _calibration())
+
+
+def test_stream_readings_during_a_run_can_only_raise_the_ceiling():
+    calibration = _calibration(stream_read_gbps=30.0, gemv_gbps=20.0)
+    assert with_stream_readings(calibration, [25.0, 28.0])["bandwidth_gbps"] == 30.0
+    raised = with_stream_readings(calibration, [25.0, 36.0, 31.0])
+    assert raised["stream_read_gbps"] == 36.0 and raised["bandwidth_gbps"] == 36.0
+    assert raised["gemv_gbps"] == 20.0 and calibration["stream_read_gbps"] == 30.0
+
+
+def test_each_iteration_is_paired_with_the_faster_of_its_neighbouring_stream_readings():
+    # 1 GB read per step, 10 steps: iteration 0 moved 10 GB in 0.5 s = 20 GB/s, iteration 1 in 0.25 s = 40 GB/s
+    fractions = paired_bandwidth_fractions(10**9, 10, [0.5, 0.25], [25.0, 40.0, 50.0])
+    assert fractions == pytest.approx([20.0 / 40.0, 40.0 / 50.0])
+    with pytest.raises(ValueError, match="3 stream readings for 3 iterations"):
+        paired_bandwidth_fractions(10**9, 10, [0.5, 0.25, 0.3], [25.0, 40.0, 50.0])
+
+
+def test_stream_probe_records_every_reading():
+    probe = StreamProbe(1 << 20, repeats=2)
+    first, second = probe.read_gbps(), probe.read_gbps()
+    assert probe.readings == [first, second] and first > 0 and second > 0
+    with pytest.raises(ValueError, match="repeats=0"):
+        StreamProbe(1 << 20, repeats=0)
