@@ -1,9 +1,9 @@
-"""The fused causal prefill attention kernels (``prefill_attention``: AVX512-BF16, and AMX tiles on AMX CPUs) against a
-float64 recomputation, alone and as the SDPA backend's fresh / cached-prefix prefill path; routing falls back to torch
+"""The fused causal prefill attention kernels (``prefill_attention``: AVX512-BF16, AMX tiles on AMX CPUs, and AVX2 + FMA in
+fp32 on CPUs without AVX512-BF16) against a float64 recomputation, alone and as the SDPA backend's fresh / cached-prefix prefill path; routing falls back to torch
 SDPA where neither applies.
 
 Shapes cover one row, partial query blocks and key blocks (64 keys for AVX512, 16 / 32 keys and 256-key softmax
-chunks for AMX), GQA groups 1-8, head dims 32-256 (AMX: 32 / 64 / 128), row-strided q/k/v (slices of one fused QKV
+chunks for AMX, 64 keys for AVX2), GQA groups 1-8, head dims 32-256 (AMX: 32 / 64 / 128), row-strided q/k/v (slices of one fused QKV
 row), cached prefixes (query i at position q_offset + i) and sliding windows, including windows that leave some query
 rows of a tile without any key in the first key block or chunk the tile visits.
 """
@@ -33,13 +33,14 @@ def ops():
     return module
 
 
-AVX512_MODE, AMX_MODE = 1, 2
+AVX512_MODE, AMX_MODE, AVX2_MODE = 1, 2, 3
 
 
-@pytest.fixture(params=[AVX512_MODE, AMX_MODE], ids=["avx512", "amx"])
+@pytest.fixture(params=[AVX512_MODE, AMX_MODE, AVX2_MODE], ids=["avx512", "amx", "avx2"])
 def kernel(ops, request):
-    """The AVX512-BF16 kernel (mode 1: wherever AVX512-BF16 exists) or the AMX kernel (mode 2: AMX CPUs), at full ISA
-    level; a CPU without that ISA cannot run it (the routing tests cover what it does there)."""
+    """The AVX512-BF16 kernel (mode 1: wherever AVX512-BF16 exists), the AMX kernel (mode 2: AMX CPUs) or the AVX2
+    kernel (mode 3: AVX2 + FMA CPUs), at full ISA level; a CPU without that ISA cannot run it (the routing tests
+    cover what it does there)."""
     previous, previous_mode = ops.set_isa_limit(2), ops.set_prefill_attention(request.param)
     try:
         if not ops.prefill_attention_available(64):
@@ -52,7 +53,7 @@ def kernel(ops, request):
 
 def test_mode_switch_validates_and_gates(ops) -> None:
     with pytest.raises(RuntimeError, match="prefill attention mode"):
-        ops.set_prefill_attention(3)
+        ops.set_prefill_attention(4)
     previous = ops.set_prefill_attention(0)
     try:
         assert not ops.prefill_attention_available(64)
@@ -60,10 +61,19 @@ def test_mode_switch_validates_and_gates(ops) -> None:
         auto = ops.prefill_attention_available(64)
         ops.set_prefill_attention(AVX512_MODE)
         avx512 = ops.prefill_attention_available(64)
+        ops.set_prefill_attention(AVX2_MODE)
+        avx2 = ops.prefill_attention_available(64)
+        assert not ops.prefill_attention_available(48)  # the AVX2 kernel takes multiples of 32
         ops.set_prefill_attention(AMX_MODE)
         amx = ops.prefill_attention_available(64)
-        assert auto == (avx512 or amx)  # auto picks one of them wherever either exists
+        assert auto == (avx512 or amx or avx2)  # auto picks one of them wherever any exists
         assert not ops.prefill_attention_available(256)  # the AMX kernel stops at head dim 128
+        ops.set_prefill_attention(-1)
+        limit = ops.set_isa_limit(1)  # an AVX2 CPU (no AVX512-BF16): auto takes the AVX2 kernel where AVX2 exists
+        try:
+            assert ops.prefill_attention_available(64) == avx2
+        finally:
+            ops.set_isa_limit(limit)
     finally:
         ops.set_prefill_attention(previous)
 
@@ -143,7 +153,7 @@ def test_kernel_rejects_bad_inputs(kernel) -> None:
     with pytest.raises(RuntimeError, match="kv_heads dividing"):
         kernel.prefill_attention(q, k[:, :96], v[:, :96], 4, 0.125, 4, 0)
     with pytest.raises(RuntimeError, match="head dim"):
-        kernel.prefill_attention(q[:, :48 * 4], k[:, :48 * 2], v[:, :48 * 2], 4, 0.125, 4, 0)
+        kernel.prefill_attention(q[:, :40 * 4], k[:, :40 * 2], v[:, :40 * 2], 4, 0.125, 4, 0)
     with pytest.raises(RuntimeError, match="head dim"):  # 256: the AVX512 kernel's, not the AMX kernel's
         qb, kb, vb = fused_qkv(8, 4, 4, 2, 256, seed=5)
         previous = kernel.set_prefill_attention(AMX_MODE)
@@ -155,9 +165,10 @@ def test_kernel_rejects_bad_inputs(kernel) -> None:
         kernel.prefill_attention(q, k, v, 4, 0.125, 4, -1)
 
 
-@pytest.mark.parametrize("value,mode", [("0", 0), ("1", 1), ("2", 2), ("", -1), ("yes", -1), ("3", -1), ("11", -1)])
+@pytest.mark.parametrize("value,mode", [("0", 0), ("1", 1), ("2", 2), ("3", 3), ("", -1), ("yes", -1), ("4", -1), ("11", -1)])
 def test_environment_sets_the_initial_mode(value: str, mode: int) -> None:
-    """ASCENT_CPU_PREFILL_ATTENTION is read when the kernels load: 0 off, 1 AVX512, 2 AMX, anything else auto."""
+    """ASCENT_CPU_PREFILL_ATTENTION is read when the kernels load: 0 off, 1 AVX512, 2 AMX, 3 AVX2, anything else
+    auto."""
     code = ("from ascent.layers import cpu_kernels; ops = cpu_kernels.fused_ops(); "
             "print(ops.set_prefill_attention(-1))")
     env = {**os.environ, "ASCENT_CPU_PREFILL_ATTENTION": value}
@@ -177,11 +188,11 @@ def _backend_case(dtype: torch.dtype, window: int | None):
 
 
 @pytest.mark.parametrize("window", [None, 24])
-@pytest.mark.parametrize("isa_level,mode", [(2, AVX512_MODE), (2, AMX_MODE), (1, -1)],
-                         ids=["avx512-kernel", "amx-kernel", "torch-sdpa"])
+@pytest.mark.parametrize("isa_level,mode", [(2, AVX512_MODE), (2, AMX_MODE), (2, AVX2_MODE), (0, -1)],
+                         ids=["avx512-kernel", "amx-kernel", "avx2-kernel", "torch-sdpa"])
 def test_backend_prefills_match_float64(ops, isa_level: int, mode: int, window: int | None,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 prefills through SDPAImpl: with each kernel (where the CPU has it) and with both ruled out (ISA limit 1),
+    """bf16 prefills through SDPAImpl: with each kernel (where the CPU has it) and with all ruled out (ISA limit 0),
     all match float64; the kernel is called exactly for the prefill requests when it applies."""
     reqs, common, cache, q, k_new, v_new, full_k, full_v = _backend_case(torch.bfloat16, window)
     previous, previous_mode = ops.set_isa_limit(isa_level), ops.set_prefill_attention(mode)
@@ -212,5 +223,5 @@ def test_backend_prefills_match_float64(ops, isa_level: int, mode: int, window: 
         assert (got - want).abs().max().item() <= TOL * max(1.0, want.abs().max().item()), (i, c, n)
     expected_calls = sorted(c for c, n in reqs if n > 16 or (c == 0 and n > 1)) if applies else []
     assert sorted(calls) == expected_calls
-    if isa_level == 1:
+    if isa_level == 0:
         assert not applies

@@ -39,11 +39,12 @@ struct PrefillAttnArgs {
 
 // -1 auto: this kernel on CPUs with AVX512-BF16 and without AMX, the AMX kernel (amx_prefill_attention.h) on AMX
 // CPUs (this one is 2-3.5x slower than torch's SDPA there); 1: this kernel wherever AVX512-BF16 exists; 2: the AMX
-// kernel wherever AMX exists; 0: neither. The environment's ASCENT_CPU_PREFILL_ATTENTION=0 / 1 / 2 sets it at load
+// kernel wherever AMX exists; 3: the AVX2 kernel (avx2_prefill_attention.h; auto on CPUs without AVX512-BF16);
+// 0: none. The environment's ASCENT_CPU_PREFILL_ATTENTION=0 / 1 / 2 / 3 sets it at load
 // (anything else: auto); set_prefill_attention changes it (tests).
 int initial_prefill_mode() {
   const char* v = std::getenv("ASCENT_CPU_PREFILL_ATTENTION");
-  if (v != nullptr && v[0] >= '0' && v[0] <= '2' && v[1] == '\0') return v[0] - '0';
+  if (v != nullptr && v[0] >= '0' && v[0] <= '3' && v[1] == '\0') return v[0] - '0';
   return -1;
 }
 

@@ -73,6 +73,7 @@ inline float exp_approx(float x) {
 #include "amx_attention.h"
 #include "avx512_prefill_attention.h"
 #include "amx_prefill_attention.h"
+#include "avx2_prefill_attention.h"
 
 }  // namespace
 
@@ -246,7 +247,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) { return silu_and_mul_into(x, at::T
 
 #include "paged_attention_cpu.h"
 
-// Causal prefill attention (avx512_prefill_attention.h): q [tq, heads * d], k / v [tk, kv_heads * d] (row-strided
+// Causal prefill attention (avx512_prefill_attention.h, amx_prefill_attention.h, avx2_prefill_attention.h): q [tq, heads * d], k / v [tk, kv_heads * d] (row-strided
 // views are fine), all bf16; query i sits at position q_offset + i with tk == q_offset + tq; window > 0 keeps the last
 // `window` keys of each query. Returns [tq, heads * d] bf16: out_rows when given (a contiguous bf16 tensor of that
 // shape, e.g. the caller's output rows, written in place: no copy afterwards), else a new one. Only where
@@ -266,9 +267,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(q_offset >= 0 && tk == q_offset + tq, "prefill_attention: tk (", tk, ") must equal q_offset (",
               q_offset, ") + tq (", tq, ")");
   TORCH_CHECK(window >= 0, "prefill_attention: window must be >= 0");
-  const bool amx = amx_prefill_applies(d);
-  TORCH_CHECK(amx || prefill_attention_applies(d), "prefill_attention: needs AMX (head dim 32, 64 or 128) or ",
-              "AVX512-BF16 and a head dim that is a multiple of 32 up to ", kMaxHeadDim, ", got ", d);
+  const bool amx = amx_prefill_applies(d), avx512 = !amx && prefill_attention_applies(d);
+  TORCH_CHECK(amx || avx512 || avx2_prefill_applies(d), "prefill_attention: needs AMX (head dim 32, 64 or ",
+              "128), or AVX512-BF16 or AVX2 and a head dim that is a multiple of 32 up to ", kMaxHeadDim, ", got ", d);
   at::Tensor out = out_rows.has_value() ? *out_rows : at::empty({tq, q.size(1)}, q.options());
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 && out.size(0) == tq &&
                   out.size(1) == q.size(1), "prefill_attention: out must be a contiguous bf16 [", tq, ", ", q.size(1),
@@ -278,15 +279,18 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
                              v.stride(0), tq, tk, num_heads, k.size(1) / d, d, q_offset, window,
                              static_cast<float>(scale), out.data_ptr<bf16>()};
   if (amx) prefill_attention_amx(args);
-  else prefill_attention_avx512(args);
+  else if (avx512) prefill_attention_avx512(args);
+  else prefill_attention_avx2(args);
   return out;
 }
 
-bool prefill_attention_available(int64_t d) { return amx_prefill_applies(d) || prefill_attention_applies(d); }
+bool prefill_attention_available(int64_t d) {
+  return amx_prefill_applies(d) || prefill_attention_applies(d) || avx2_prefill_applies(d);
+}
 
 int64_t set_prefill_attention(int64_t mode) {
-  TORCH_CHECK(mode >= -1 && mode <= 2, "prefill attention mode must be -1 (auto), 0 (off), 1 (the AVX512-BF16 kernel) ",
-              "or 2 (the AMX kernel), got ", mode);
+  TORCH_CHECK(mode >= -1 && mode <= 3, "prefill attention mode must be -1 (auto), 0 (off), 1 (the AVX512-BF16 kernel), ",
+              "2 (the AMX kernel) or 3 (the AVX2 kernel), got ", mode);
   const int64_t previous = g_prefill_attention;
   g_prefill_attention = static_cast<int>(mode);
   return previous;
@@ -326,7 +330,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_split_attention", [](int64_t on) { return std::exchange(g_split_attention, on != 0); },
         "set_split_attention(1|0) -> previous (0: long decode contexts in one pass, as short ones; tests)");
   m.def("set_prefill_attention", &set_prefill_attention,
-        "set_prefill_attention(-1 auto | 0 off | 1 AVX512-BF16 kernel | 2 AMX kernel) -> previous (tests)");
+        "set_prefill_attention(-1 auto | 0 off | 1 AVX512-BF16 | 2 AMX | 3 AVX2 kernel) -> previous (tests)");
   m.def("silu_and_mul", &silu_and_mul, "silu_and_mul(x [T, 2d]) -> [T, d]");
   m.def("set_isa_limit", &set_isa_limit, "set_isa_limit(level) -> previous (0 scalar, 1 AVX2+FMA, 2 AVX512)");
   m.def("set_amx_attention", &set_amx_attention, "set_amx_attention(1|0) -> previous (tests: 0 = the AVX512 kernels)");
