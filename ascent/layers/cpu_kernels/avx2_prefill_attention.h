@@ -17,7 +17,6 @@
 #pragma once
 
 #include <atomic>
-#include <memory>
 #include <vector>
 
 constexpr int64_t kF32KeyBlock = 64;  // keys per packed block
@@ -194,14 +193,14 @@ void prefill_attention_avx2(const PrefillAttnArgs& a) {
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(std::max(at::get_num_threads(), 1), tasks);
   ascent_par::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    auto state = std::make_unique<F32Quad>();
+    F32Quad state;  // on the thread's stack: a heap block here would give an OpenMP thread its own malloc arena
     for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
       const int64_t rb = row_blocks - 1 - t / a.kv_heads, h = t % a.kv_heads;  // the longest rows first
       const int64_t t0 = rb * kF32QueryRows, rows = std::min(kF32QueryRows, a.tq - t0), vectors = rows * group;
       const float* kp = kpack.data() + h * blocks * block_elems;
       const float* vp = vpack.data() + h * blocks * block_elems;
       for (int64_t v0 = 0; v0 < vectors; v0 += 4)
-        f32_attend_quad(a, h, t0, v0, static_cast<int>(std::min<int64_t>(4, vectors - v0)), kp, vp, *state);
+        f32_attend_quad(a, h, t0, v0, static_cast<int>(std::min<int64_t>(4, vectors - v0)), kp, vp, state);
     }
   });
 }
