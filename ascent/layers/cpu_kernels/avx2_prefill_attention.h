@@ -55,9 +55,9 @@ ASCENT_AVX2 void pack_f32_key_block(const PrefillAttnArgs& a, int64_t h, int64_t
   }
 }
 
-// Up to 4 query vectors of one KV head: scaled fp32 queries, positions, running max / sum and fp32 outputs.
+// Up to 4 query vectors of one KV head: scaled fp32 queries, positions, running max / sum and fp32 outputs (absent
+// lanes of a partial quad repeat the last vector's query and are never stored).
 struct F32Quad {
-  int n;  // vectors in use (1-4); absent lanes repeat the last one's query and are never stored
   int64_t pos[4];
   float m[4], l[4];
   alignas(32) float q[4][kMaxHeadDim];
@@ -147,7 +147,6 @@ ASCENT_AVX2 void f32_quad_values(F32Quad& s, const bool (&active)[4], const floa
 ASCENT_AVX2 void f32_attend_quad(const PrefillAttnArgs& a, int64_t h, int64_t t0, int64_t v0, int n,
                                  const float* kpack, const float* vpack, F32Quad& s) {
   const int64_t d = a.d, group = a.heads / a.kv_heads, block_elems = kF32KeyBlock * d;
-  s.n = n;
   int64_t lo_pos = INT64_MAX, hi_pos = 0;
   const __m256 scale = _mm256_set1_ps(a.scale);
   for (int r = 0; r < 4; ++r) {
