@@ -57,6 +57,31 @@ def test_matches_fp32_reference_within_one_ulp(gemv, isa, dtype, m, n, k, with_b
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [3, 24, 35])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("float_output", [False, True])
+def test_exact_sums_round_to_nearest_even_as_torch(gemv, isa, dtype, m, with_bias, float_output):
+    """Small integers make every sum exact in fp32 whatever the summation order, and many of them odd above 256, so
+    halfway between two bf16 values: each path (the AVX2 panels' vector stores from 24 rows) must round them, and
+    NaN, exactly as torch's conversion does (a truncating or NaN-dropping store would pass the one-ulp test)."""
+    gen = torch.Generator().manual_seed(m)
+    n, k = 48, 64
+    x = torch.randint(-8, 9, (m, k), generator=gen).to(dtype)
+    w = torch.randint(-64, 65, (n, k), generator=gen).to(dtype)
+    x[1, 5] = float("nan")
+    bias = torch.randint(-300, 301, (n,), generator=gen).to(dtype) if with_bias else None
+    exact = x.float() @ w.float().T + (bias.float() if with_bias else 0.0)
+    assert (exact.abs() > 256).sum() > m * n // 4  # ties to round: the test needs them
+    got = gemv.linear_small_m(x, w, bias, float_output)
+    expected = exact.to(dtype)
+    assert got.dtype == (torch.float32 if float_output else dtype)
+    # (NaN bits: c10's scalar conversion, which the kernels follow, gives 0x7FC0; torch's vectorized one 0xFFFF)
+    assert torch.equal(got.isnan(), expected.isnan()) and got.isnan()[1].all()
+    finite = ~expected.isnan()
+    assert torch.equal(got[finite].float().view(torch.int32), expected[finite].float().view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 3, 8, 24])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_float_output_is_the_rounded_result_widened(gemv, isa, dtype, m, with_bias):

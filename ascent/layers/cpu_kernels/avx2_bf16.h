@@ -27,17 +27,7 @@ ASCENT_AVX2 inline __m256 bf16_load8(const bf16* p, int64_t left) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-// fp32 -> bf16 bits with c10::BFloat16's rounding (nearest-even, NaN -> 0x7FC0), 8 lanes in a __m128i.
-ASCENT_AVX2 inline __m128i bf16_bits8(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  // packus works per 128-bit lane: [r0..r3 r0..r3 | r4..r7 r4..r7]; qwords 0 and 2 hold r0..r7 (all < 2^16: exact)
-  const __m256i packed = _mm256_packus_epi32(r, r);
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
+#include "bf16_round_avx2.h"  // bf16_bits8, bf16_bits8_to_f32
 
 ASCENT_AVX2 inline void bf16_store8(bf16* p, __m256 v, int64_t left) {
   if (left <= 0) return;
@@ -51,9 +41,7 @@ ASCENT_AVX2 inline void bf16_store8(bf16* p, __m256 v, int64_t left) {
   std::memcpy(p, tmp, static_cast<size_t>(left) * sizeof(uint16_t));
 }
 
-ASCENT_AVX2 inline __m256 round_to_bf16_8(__m256 v) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16_bits8(v)), 16));
-}
+ASCENT_AVX2 inline __m256 round_to_bf16_8(__m256 v) { return bf16_bits8_to_f32(bf16_bits8(v)); }
 
 ASCENT_AVX2 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
