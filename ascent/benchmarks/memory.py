@@ -39,7 +39,9 @@ def _storage(t: Any) -> tuple[int, int]:
 
 def _module_tensors(model: Any) -> list[Any]:
     """Every tensor the modules hold: parameters, buffers and plain attributes (packed weight copies live there), one
-    level into lists, tuples and dicts."""
+    level into lists, tuples, dicts and dataclass instances (``AmxWeight``, ``PanelWeight``)."""
+    import dataclasses
+
     import torch
 
     found: list[Any] = []
@@ -51,6 +53,8 @@ def _module_tensors(model: Any) -> list[Any]:
             found.extend(v for v in value if isinstance(v, torch.Tensor))
         elif isinstance(value, dict):
             found.extend(v for v in value.values() if isinstance(v, torch.Tensor))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            found.extend(v for f in dataclasses.fields(value) if isinstance(v := getattr(value, f.name), torch.Tensor))
 
     for module in model.modules():
         for value in (*module._parameters.values(), *module._buffers.values(), *vars(module).values()):

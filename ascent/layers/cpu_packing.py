@@ -13,7 +13,9 @@ streams the plain weight with software prefetch, where oneDNN pays ~10 µs of pr
 tiles that small M cannot fill. That needs the plain rows *and* the packed copy; ``limit_dual_layouts`` drops the
 plain copies of a model whose duplicated bytes exceed ``dual_layout_budget_bytes()`` (then every call uses the packed
 weight).
-``ASCENT_CPU_SMALL_M_GEMV=0`` disables the kernel.
+``ASCENT_CPU_SMALL_M_GEMV=0`` disables the kernel. Where the kernel runs its AVX2 path, it takes every call and
+the fp32 copy is not made: its 16-row panels are prepacked instead (:class:`PanelWeight`, the same 4 bytes per
+weight).
 
 On CPUs with AMX-BF16 a third layout replaces the plain rows: ``amx_linear_cpu.cpp`` streams B tiles packed once
 (:class:`AmxWeight`) and takes every call of at most ``AMX_MAX_M`` rows (measured on a Xeon with AMX, SmolLM2's 120
@@ -71,6 +73,30 @@ class AmxWeight:
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
+
+
+@dataclass
+class PanelWeight:
+    """A layer on the small-M kernel's AVX2 path, which then serves every row count (no fp32 GEMM copy is made): its
+    panel tiles ran 0.91-1.02x MKL's fp32 GEMM time from 512 rows up (Zen 3, 2 threads, SmolLM2's shapes, the fp32
+    conversions included) and far ahead of it below. ``panels`` holds W's 16-row panels prepacked (``pack_panels``:
+    fp32 ``[N / 16, K, 16]``), which spares the kernel its per-call repacking (~20 % of the panel path's time in a
+    batch-35 decode step), or None once ``limit_dual_layouts`` released it (the kernel then repacks)."""
+
+    panels: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.panels is None else self.panels.numel() * self.panels.element_size()
+
+
+def panel_weight(weight: torch.Tensor, small_m: ModuleType | None) -> PanelWeight | None:
+    """A :class:`PanelWeight` for ``weight [N, K]`` where ``small_m`` (the kernel module, or None) takes its dtype on
+    the AVX2 path (the panels within a quarter of the memory available now, as an fp32 copy would be), else None."""
+    if small_m is None or not _packable(weight) or small_m.kernel_path(weight.dtype == torch.float16) != "avx2":
+        return None
+    fits = weight.numel() * 4 <= dual_layout_budget_bytes(default_only=True)
+    return PanelWeight(small_m.pack_panels(weight.detach()) if fits else None)
 
 
 def amx_linear_weight(weight: torch.Tensor) -> AmxWeight | None:
@@ -158,16 +184,20 @@ def small_m_max(dtype: torch.dtype) -> int:
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None,
-               small_m: ModuleType | None, amx: AmxWeight | None = None, float_output: bool = False) -> torch.Tensor:
+               small_m: ModuleType | None, amx: AmxWeight | None = None, float_output: bool = False,
+               panels: PanelWeight | None = None) -> torch.Tensor:
     """``x [..., in]`` -> ``[..., out]`` through the fastest applicable path; all agree with ``F.linear`` up to fp32
     summation order. ``weight`` may be an empty placeholder when only packed copies are kept. ``float_output``: the
     caller wants fp32 (the lm_head's logits); the AMX and small-M paths then write the rounded values as fp32 in one
-    pass, the others return their usual dtype (the caller converts)."""
+    pass, the others return their usual dtype (the caller converts). ``panels``: the layer's :class:`PanelWeight`
+    (the small-M kernel then takes every row count)."""
     if amx is not None and x.dtype == torch.bfloat16 and x.numel() <= AMX_MAX_M * x.shape[-1]:
         return amx.ops.amx_linear(x, amx.packed, bias, float_output)
     if (small_m is not None and x.dtype == weight.dtype and weight.numel() > 0
-            and x.numel() <= small_m_max(x.dtype) * weight.shape[1]
+            and (panels is not None or x.numel() <= small_m_max(x.dtype) * weight.shape[1])
             and (bias is None or bias.dtype == x.dtype)):
+        if panels is not None and panels.panels is not None:
+            return small_m.linear_small_m(x, weight, bias, float_output, panels.panels)
         return small_m.linear_small_m(x, weight, bias, float_output)
     if packed is not None and (x.dtype == packed.dtype or packed.dtype == torch.float32):
         return packed_linear(x, packed, bias)
@@ -199,7 +229,9 @@ def limit_dual_layouts(model: nn.Module, budget_bytes: int | None = None) -> int
     """After loading: if the second copies kept beside oneDNN-packed weights (plain rows for the small-M kernel,
     ``layer.small_m_ops`` set; AMX tiles, ``layer.amx_weight``) and beside int8 weights (AMX-INT8 tiles,
     ``QUANT_AMX_COPIES``; the row-interleaved copies of W8A8, ``layer.w8a8_gemv.nv``, and W8A16, ``layer.wo_gemv.nv``)
-    exceed the budget, release them all so the model costs no more memory than packed-only. Returns the bytes kept."""
+    and the prepacked panels beside the plain rows of the AVX2 path (``layer.panel_weight``) exceed the budget,
+    release them all so the model costs no more memory than packed-only (plain-only on the AVX2 path). Returns the
+    bytes kept."""
     packed = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
     plain = [m for m in packed
              if getattr(m, "small_m_ops", None) is not None and getattr(m, "owns_plain_weight", False)]
@@ -208,9 +240,10 @@ def limit_dual_layouts(model: nn.Module, budget_bytes: int | None = None) -> int
     int8_nv = [g for m in model.modules() if (g := getattr(m, "w8a8_gemv", None)) is not None and g.nv is not None]
     w8a16_nv = [g for m in model.modules()
                 if (g := getattr(m, "wo_gemv", None)) is not None and g.nv is not None and g.bits == 8]
+    panels = [p for m in model.modules() if (p := getattr(m, "panel_weight", None)) is not None and p.nbytes]
     kept = (sum(m.weight.numel() * m.weight.element_size() for m in plain) + sum(m.amx_weight.nbytes for m in amx)
             + sum(getattr(m, name).nbytes for m, name in amx_quant) + sum(g.nv.numel() for g in int8_nv)
-            + sum(g.nv.packed.numel() for g in w8a16_nv))
+            + sum(g.nv.packed.numel() for g in w8a16_nv) + sum(p.nbytes for p in panels))
     if kept <= (dual_layout_budget_bytes() if budget_bytes is None else budget_bytes):
         return kept
     for module in plain:
@@ -222,4 +255,6 @@ def limit_dual_layouts(model: nn.Module, budget_bytes: int | None = None) -> int
         setattr(module, name, None)
     for gemv in int8_nv + w8a16_nv:  # the row-layout kernels keep serving M up to their own limits
         gemv.nv = None
+    for panel in panels:  # the small-M kernel keeps serving every row count, repacking per call
+        panel.panels = None
     return 0

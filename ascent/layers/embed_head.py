@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ascent.layers.cpu_packing import amx_linear_weight, cpu_linear, pack_linear_weight, small_m_kernel
+from ascent.layers.cpu_packing import (amx_linear_weight, cpu_linear, pack_linear_weight, panel_weight,
+                                       small_m_kernel)
 from torch import nn
 
 from ascent.distributed.parallel_state import (
@@ -152,10 +153,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def process_weights_after_loading(self) -> None:
         """Pack a (possibly tied, hence copied) weight for oneDNN on CPU; the embedding keeps its dense rows."""
-        self.packed_weight = pack_linear_weight(self.weight)
         self.amx_weight = amx_linear_weight(self.weight)
         # the small-M kernel reads the dense rows the embedding keeps anyway; AMX tiles take its calls where they exist
         self.small_m_ops = small_m_kernel(self.weight) if self.amx_weight is None else None
+        self.panel_weight = panel_weight(self.weight, self.small_m_ops)  # the kernel's AVX2 path: every call
+        self.packed_weight = pack_linear_weight(self.weight) if self.panel_weight is None else None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
@@ -163,7 +165,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         else:
             logits = cpu_linear(hidden_states, self.weight, getattr(self, "packed_weight", None), self.bias,
                                 getattr(self, "small_m_ops", None), getattr(self, "amx_weight", None),
-                                float_output=True)
+                                float_output=True, panels=getattr(self, "panel_weight", None))
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         if logits.shape[-1] != self.org_vocab_size:

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascent.layers.cpu_packing import amx_linear_weight, cpu_linear, pack_linear_weight, small_m_kernel
+from ascent.layers.cpu_packing import (amx_linear_weight, cpu_linear, pack_linear_weight, panel_weight,
+                                       small_m_kernel)
 from ascent.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -102,10 +103,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """On CPU, pack bf16/fp16 weights for oneDNN once, plus AMX tiles where AMX-BF16 exists; the plain rows stay
         only for the small-M kernel when there are no AMX tiles (see ``ascent.layers.cpu_packing``), otherwise the
-        packed copies replace them."""
-        packed = pack_linear_weight(layer.weight)
+        packed copies replace them. On the kernel's AVX2 path the kernel takes every call: prepacked panels
+        (``panel_weight``) instead of a GEMM copy."""
         layer.amx_weight = amx_linear_weight(layer.weight)
         layer.small_m_ops = small_m_kernel(layer.weight) if layer.amx_weight is None else None
+        layer.panel_weight = panel_weight(layer.weight, layer.small_m_ops)
+        packed = pack_linear_weight(layer.weight) if layer.panel_weight is None else None
         if packed is not None:
             layer.packed_weight = packed
             layer.owns_plain_weight = layer.small_m_ops is not None
@@ -114,7 +117,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return cpu_linear(x, layer.weight, getattr(layer, "packed_weight", None), bias,
-                          getattr(layer, "small_m_ops", None), getattr(layer, "amx_weight", None))
+                          getattr(layer, "small_m_ops", None), getattr(layer, "amx_weight", None),
+                          panels=getattr(layer, "panel_weight", None))
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, where: str) -> None:

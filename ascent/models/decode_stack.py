@@ -59,6 +59,10 @@ def max_tokens_of(kind: int) -> int:
     return limits.get(kind, 0)
 
 
+# The small-M row limit of a projection whose kernel takes every row count (``cpu_packing.PanelWeight``).
+ALL_ROWS = 1 << 40
+
+
 def linear_call(linear: nn.Module) -> LinearSpec | None:
     """How the C++ stack computes this projection: ``(kind, tensors, ints)`` as ``LinearCall`` in
     ``decode_stack_cpu.cpp`` documents, or None when the module path must run it. Kind 0 = the AMX tiles up to
@@ -71,15 +75,18 @@ def linear_call(linear: nn.Module) -> LinearSpec | None:
     if type(method) is UnquantizedLinearMethod:
         weight, bias = linear.weight, linear.bias
         packed, amx = getattr(linear, "packed_weight", None), getattr(linear, "amx_weight", None)
+        panels = getattr(linear, "panel_weight", None)
         small_m = getattr(linear, "small_m_ops", None) is not None and weight.numel() > 0
         if not small_m and packed is None and amx is None:
             return None
         if bias is not None and bias.dtype is not weight.dtype:
             return None
         empty = torch.empty(0, dtype=weight.dtype)
-        tensors = [weight, bias, packed, amx.packed if amx is not None else None]
+        tensors = [weight, bias, packed, amx.packed if amx is not None else None,
+                   panels.panels if panels is not None else None]
+        small_m_rows = (ALL_ROWS if panels is not None else small_m_max(weight.dtype)) if small_m else 0
         return 0, [t if t is not None else empty for t in tensors], \
-            [small_m_max(weight.dtype) if small_m else 0, AMX_MAX_M if amx is not None else 0]
+            [small_m_rows, AMX_MAX_M if amx is not None else 0]
     call = getattr(method, "decode_stack_call", None)
     return call(linear) if call is not None else None
 

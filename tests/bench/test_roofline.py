@@ -64,3 +64,19 @@ def test_stream_probe_records_every_reading():
     assert probe.readings == [first, second] and first > 0 and second > 0
     with pytest.raises(ValueError, match="repeats=0"):
         StreamProbe(1 << 20, repeats=0)
+
+
+def test_memory_counts_tensors_held_in_dataclasses():
+    """B7's weight bytes include copies a module holds inside dataclasses (PanelWeight, AmxWeight), once per storage."""
+    import torch
+    from torch import nn
+
+    from ascent.benchmarks.memory import _module_tensors, _tensor_bytes
+    from ascent.layers.cpu_packing import PanelWeight
+
+    layer = nn.Linear(32, 16, bias=False)
+    plain = _tensor_bytes(_module_tensors(layer))
+    layer.panel_weight = PanelWeight(torch.zeros(1, 32, 16))
+    assert _tensor_bytes(_module_tensors(layer)) == plain + 32 * 16 * 4
+    layer.panel_weight.panels = None  # released
+    assert _tensor_bytes(_module_tensors(layer)) == plain

@@ -71,9 +71,13 @@ def test_stack_beyond_the_small_m_range_equals_module_path(tmp_path, monkeypatch
     fused, stack, _ = _run(model_dir, monkeypatch, "1", prompts, max_num_seqs=rows)
     assert stack.largest_step == len(prompts) > small_m_max(torch.bfloat16)
     layer = stack.model.layers[0].self_attn.qkv_proj
-    second_copy = layer.amx_weight is not None or layer.weight.numel() > 0  # AMX tiles, else the plain rows
-    assert second_copy == (dual_layout_bytes is None) and layer.packed_weight is not None
-    assert (layer.packed_weight.dtype == torch.float32) == (not cpu_packing.native_16bit_gemm(torch.bfloat16))
+    if layer.panel_weight is not None:  # the small-M kernel's AVX2 path takes every row count, panels if kept
+        assert getattr(layer, "packed_weight", None) is None and layer.weight.numel() > 0
+        assert (layer.panel_weight.panels is not None) == (dual_layout_bytes is None)
+    else:
+        second_copy = layer.amx_weight is not None or layer.weight.numel() > 0  # AMX tiles, else the plain rows
+        assert second_copy == (dual_layout_bytes is None) and layer.packed_weight is not None
+        assert (layer.packed_weight.dtype == torch.float32) == (not cpu_packing.native_16bit_gemm(torch.bfloat16))
     plain, _, _ = _run(model_dir, monkeypatch, "0", prompts, max_num_seqs=rows)
     assert fused == plain
 

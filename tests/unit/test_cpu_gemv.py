@@ -102,6 +102,74 @@ def test_leading_dims_and_strided_input(gemv):
     torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), rtol=1e-2, atol=1e-2)
 
 
+def _avx2_path(gemv, dtype: torch.dtype) -> bool:
+    return gemv.kernel_path(dtype == torch.float16) == "avx2"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [24, 35, 300])
+# (1030, 48): thread tasks of 4-row blocks would start mid-panel; (37, 100): 2 panels and 5 rows after them, K ends
+# mid 16-column block; (8, 32): no full panel
+@pytest.mark.parametrize("n,k", [(96, 64), (1030, 48), (37, 100), (8, 32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_prepacked_panels_equal_per_call_repacking(gemv, dtype, m, n, k, with_bias):
+    """pack_panels lays W out as the AVX2 panel path repacks it per call: passing it gives the same bits."""
+    if not _avx2_path(gemv, dtype):
+        pytest.skip("the panel layout is the AVX2 path's; this CPU takes another path")
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    panels = gemv.pack_panels(w)
+    assert panels.dtype == torch.float32 and panels.shape == (n // 16, k, 16)
+    for float_output in (False, True):
+        want = gemv.linear_small_m(x, w, bias, float_output)
+        assert torch.equal(gemv.linear_small_m(x, w, bias, float_output, panels), want)
+    if n >= 16 and k % 16:  # the K % 16 tail keeps natural column order: column c of row r at [0, c, r]
+        assert torch.equal(panels[0, k - 1], w[:16, k - 1].float())
+
+
+def test_prepacked_panels_bad_inputs_raise(gemv):
+    if not _avx2_path(gemv, torch.bfloat16):
+        pytest.skip("the panel layout is the AVX2 path's; this CPU takes another path")
+    w = torch.zeros(32, 16, dtype=torch.bfloat16)
+    x = torch.zeros(30, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="panels must be pack_panels"):
+        gemv.linear_small_m(x, w, None, False, torch.zeros(2, 16, 8))
+    with pytest.raises(RuntimeError, match="panels must be pack_panels"):
+        gemv.linear_small_m(x, w, None, False, torch.zeros(2, 16, 16, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16/fp16"):
+        gemv.pack_panels(torch.zeros(32, 16))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        gemv.pack_panels(torch.zeros(16, 32, dtype=torch.bfloat16).T)
+
+
+@pytest.mark.parametrize("released", [False, True])
+def test_panel_weight_takes_every_row_count(gemv, monkeypatch, released):
+    """On the kernel's AVX2 path a layer gets a PanelWeight and no fp32 GEMM copy: the kernel then takes calls beyond
+    small_m_max too (with the prepacked panels, or repacking once limit_dual_layouts released them), within one
+    output rounding of the exact product."""
+    if not _avx2_path(gemv, torch.bfloat16):
+        pytest.skip("the panel layout is the AVX2 path's; this CPU takes another path")
+    gen = torch.Generator().manual_seed(11)
+    w = (torch.randn(40, 48, generator=gen) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(40, generator=gen).to(torch.bfloat16)
+    panels = cpu_packing.panel_weight(w, gemv)
+    assert panels is not None and panels.panels.shape == (2, 48, 16) and panels.nbytes == 2 * 48 * 16 * 4
+    if released:
+        panels.panels = None
+    recorder = _Recorder(gemv)
+    for m in (1, 30, cpu_packing.small_m_max(torch.bfloat16) + 44):
+        x = torch.randn(m, 48, generator=gen).to(torch.bfloat16)
+        exact = x.float() @ w.float().T + bias.float()
+        got = cpu_packing.cpu_linear(x, w, None, bias, recorder, panels=panels)
+        assert (got.float() - exact).abs().le(_ulp(exact.to(torch.bfloat16)) + 1e-4 * exact.abs().max()).all()
+    assert recorder.calls == 3
+    monkeypatch.setattr(cpu_packing, "dual_layout_budget_bytes", lambda default_only=False: 40 * 48 * 4 - 1)
+    assert cpu_packing.panel_weight(w, gemv).panels is None  # over the budget: the kernel alone, no panels
+    assert cpu_packing.panel_weight(w, None) is None
+
+
 def test_bad_inputs_raise(gemv):
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="x dtype"):
@@ -123,9 +191,12 @@ class _Recorder:
     def __init__(self, real):
         self.real, self.calls = real, 0
 
-    def linear_small_m(self, x, w, b, float_output=False):
+    def linear_small_m(self, x, w, b, float_output=False, panels=None):
         self.calls += 1
-        return self.real.linear_small_m(x, w, b, float_output)
+        return self.real.linear_small_m(x, w, b, float_output, panels)
+
+    def kernel_path(self, half):
+        return self.real.kernel_path(half)
 
 
 def test_dispatch_small_m_kernel_then_packed(gemv):
@@ -241,7 +312,8 @@ def _run(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("budget,expect_kept", [(1 << 30, True), (0, False)])
 def test_dual_layout_budget(budget, expect_kept, amx):
     """The second copy beside the oneDNN-packed weight (AMX tiles where AMX-BF16 exists and the shape fits, else the
-    plain rows of the small-M kernel) is kept within the budget and released beyond it."""
+    plain rows of the small-M kernel) is kept within the budget and released beyond it. On the kernel's AVX2 path
+    the plain rows are the only copy and the prepacked panels the second one."""
     from ascent.loader.base import finalize_model
 
     model = _linear_model()
@@ -252,9 +324,13 @@ def test_dual_layout_budget(budget, expect_kept, amx):
         mp.setenv("ASCENT_CPU_AMX", amx)
         finalize_model(model)
     for layer in model:
-        assert getattr(layer, "packed_weight", None) is not None
         has_amx = layer.amx_weight is not None
         has_plain = layer.weight.numel() > 0 and layer.small_m_ops is not None
+        if layer.panel_weight is not None:  # the AVX2 path: plain rows always, panels within the budget
+            assert getattr(layer, "packed_weight", None) is None and has_plain and not has_amx
+            assert (layer.panel_weight.panels is not None) == expect_kept
+            continue
+        assert getattr(layer, "packed_weight", None) is not None
         assert (has_amx or has_plain) == expect_kept and not (has_amx and has_plain)
     first, second = model  # [48, 32] fits AMX tiles; [16, 48] does not (K % 32 != 0)
     assert (first.amx_weight is not None) == (expect_kept and amx == "1" and cpu_packing.amx_ops() is not None)

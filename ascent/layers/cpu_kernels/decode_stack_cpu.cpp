@@ -46,10 +46,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 // small-M kernel up to small_m_max rows (0 = no plain weight kept), else the oneDNN-packed weight when there is one,
 // else F.linear.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias_t,
-                        const at::Tensor& packed, const at::Tensor& amx, int64_t small_m_max, int64_t amx_max) {
+                        const at::Tensor& packed, const at::Tensor& amx, const at::Tensor& panels,
+                        int64_t small_m_max, int64_t amx_max) {
   const c10::optional<at::Tensor> bias = optional_tensor(bias_t);
   if (x.size(0) <= amx_max) return ascent_amx::amx_linear(x, amx, bias);
-  if (x.size(0) <= small_m_max) return linear_small_m(x, weight, bias, false);
+  if (x.size(0) <= small_m_max) return linear_small_m(x, weight, bias, false, optional_tensor(panels));
   if (packed.defined() && packed.numel() > 0) return packed_linear(x, packed, bias);
   return at::linear(x, weight, bias);
 }
@@ -78,8 +79,9 @@ struct LinearCall {
     kW8A8StaticNv = 10, kWoAmx = 11
   };
   int64_t kind = kDense;
-  // kDense: [weight [N, K] bf16/fp16 (empty when no plain copy is kept), bias, oneDNN-packed weight, AMX tiles] with
-  // ints [small-M kernel row limit, AMX row limit]; kW8A16 / kW4A16: [weight (int8 [N, K] / packed int4), scale,
+  // kDense: [weight [N, K] bf16/fp16 (empty when no plain copy is kept), bias, oneDNN-packed weight, AMX tiles,
+  // the small-M kernel's prepacked panels (pack_panels)] with ints [small-M kernel row limit, AMX row limit];
+  // kW8A16 / kW4A16: [weight (int8 [N, K] / packed int4), scale,
   // zero, bias] with ints [K, 1 when the weight is in the blocked layout (quant_w4_layouts.h) else 0] for kW4A16;
   // kW8A8Dynamic: [weight int8 [N, K], row_sum, w_scale, bias]; kW8A8DynamicAmx: [AMX-INT8 packed weight, w_scale,
   // bias, unused]; kW8A8StaticAmx: [packed weight, deq, quant_bias, bias, fp32 [input_scale, input_offset]];
@@ -117,8 +119,9 @@ struct LinearCall {
     switch (kind) {
       case kDense: {
         if (x.size(0) <= ints[1] || x.size(0) > ints[0])
-          return dense_linear(x, t[0], t[1], t[2], t[3], ints[0], ints[1]);
-        if (small_m.weight == nullptr) small_m = plan_linear_small_m(t[0], optional_tensor(t[1]));
+          return dense_linear(x, t[0], t[1], t[2], t[3], t[4], ints[0], ints[1]);
+        if (small_m.weight == nullptr)
+          small_m = plan_linear_small_m(t[0], optional_tensor(t[1]), optional_tensor(t[4]));
         return run_linear_small_m(x, small_m, step_buffer(reuse, x, small_m.n));
       }
       case kW8A16:
@@ -169,7 +172,7 @@ struct LinearCall {
 
   static LinearCall make(int64_t kind, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
     if (kind == kWoAmx) return make_wo_amx(std::move(tensors), std::move(ints));
-    const size_t want_tensors = kind == kW8A8StaticAmx || kind == kW8A16Amx ? 5
+    const size_t want_tensors = kind == kDense || kind == kW8A8StaticAmx || kind == kW8A16Amx ? 5
                                 : kind == kW8A8Static || kind == kWoNv || kind == kW8A8StaticNv ? 6 : 4;
     const size_t want_ints = kind == kDense || kind == kW4A16 ? 2 : (kind == kW8A16Amx ? 1 : (kind == kWoNv ? 3 : 0));
     TORCH_CHECK(kind >= kDense && kind <= kW8A8StaticNv && tensors.size() == want_tensors &&

@@ -43,6 +43,8 @@ struct GemvArgs {
   bool is_half;       // fp16 (else bf16) for x, W, bias and out
   const float* x_split = nullptr;  // x widened to fp32 in split order (AVX2 path from 2 rows), or null
   bool out_f32 = false;  // out is fp32: the values rounded to x's dtype, widened back (the lm_head's logits)
+  const float* panels = nullptr;  // W rows [0, n / 16 * 16) as pack_panels lays them out (AVX2 panel path), or
+                                  // null: the path then repacks each 16-row panel per call
 
   inline float bias_at(int64_t n_idx) const {
     if (bias == nullptr) return 0.f;
@@ -179,9 +181,15 @@ enum class Path { kScalar, kAvx2, kFma512, kBf16Dot };
 // 0 scalar, 1 AVX2, 2 AVX512F, 3 AVX512-BF16.
 int64_t g_isa_limit = 3;
 
+// Whether the CPU has the AVX2 path's instructions (whatever the ISA limit).
+bool has_avx2_path() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+}
+
 Path pick_path(bool is_half) {
-  static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                               __builtin_cpu_supports("f16c");
+  const bool has_avx2 = has_avx2_path();
   static const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
   static const bool has_bf16_dot = has512 && __builtin_cpu_supports("avx512bf16");
@@ -227,10 +235,35 @@ struct SmallMLinear {
   const void* bias = nullptr;    // [n] or nullptr
   at::ScalarType dtype = at::kBFloat16;
   int64_t n = 0, k = 0;
+  const float* panels = nullptr;  // pack_panels(weight), or nullptr
 };
 
-// weight [N, K] (bf16/fp16, contiguous), bias [N] (same dtype) or None.
-SmallMLinear plan_linear_small_m(const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+// weight [N, K] (bf16/fp16, contiguous) -> fp32 [N / 16, K, 16]: W's full 16-row panels as the AVX2 panel path
+// repacks them per call (gemv_panel_avx2.h: panel p holds column c of rows 16p .. 16p + 15 at [p][c], columns in
+// x_split's order), so calls that pass it skip the repacking. Rows past the last full panel are not included (the
+// kernel reads them from the weight). Needs AVX2 + FMA + F16C.
+torch::Tensor pack_panels(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf),
+              "pack_panels: a bf16/fp16 CPU weight, got ", weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "pack_panels: weight must be a contiguous [N, K]");
+  TORCH_CHECK(has_avx2_path(), "pack_panels: the panel layout needs AVX2 + FMA + F16C");
+  const int64_t k = weight.size(1), panels = weight.size(0) / kPanelRows;
+  torch::Tensor out = torch::empty({panels, k, kPanelRows}, weight.options().dtype(at::kFloat));
+  const auto* w = static_cast<const uint16_t*>(weight.data_ptr());
+  float* dst = out.data_ptr<float>();
+  const bool is_half = weight.scalar_type() == at::kHalf;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      if (is_half) pack_panel16<c10::Half, true>(w + p * kPanelRows * k, k, dst + p * kPanelRows * k, nullptr);
+      else pack_panel16<c10::BFloat16, false>(w + p * kPanelRows * k, k, dst + p * kPanelRows * k, nullptr);
+    }
+  });
+  return out;
+}
+
+// weight [N, K] (bf16/fp16, contiguous), bias [N] (same dtype) or None, panels pack_panels(weight) or None.
+SmallMLinear plan_linear_small_m(const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
+                                 const c10::optional<torch::Tensor>& panels = c10::nullopt) {
   TORCH_CHECK(weight.device().is_cpu(), "linear_small_m: CPU tensors only");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf,
               "linear_small_m: bf16/fp16 only, got ", weight.scalar_type());
@@ -241,7 +274,17 @@ SmallMLinear plan_linear_small_m(const torch::Tensor& weight, const c10::optiona
     TORCH_CHECK(bias->numel() == n && bias->scalar_type() == weight.scalar_type() && bias->is_contiguous(),
                 "linear_small_m: bias must be a contiguous [", n, "] in x's dtype");
   }
-  return {weight.data_ptr(), has_bias ? bias->data_ptr() : nullptr, weight.scalar_type(), n, weight.size(1)};
+  const float* panel_data = nullptr;
+  if (panels.has_value() && panels->defined() && panels->numel() > 0) {
+    TORCH_CHECK(panels->scalar_type() == at::kFloat && panels->is_contiguous() && panels->dim() == 3 &&
+                    panels->size(0) == n / kPanelRows && panels->size(1) == weight.size(1) &&
+                    panels->size(2) == kPanelRows,
+                "linear_small_m: panels must be pack_panels(weight), a contiguous fp32 [", n / kPanelRows, ", ",
+                weight.size(1), ", ", kPanelRows, "], got ", panels->scalar_type(), " ", panels->sizes());
+    panel_data = panels->data_ptr<float>();
+  }
+  return {weight.data_ptr(), has_bias ? bias->data_ptr() : nullptr, weight.scalar_type(), n, weight.size(1),
+          panel_data};
 }
 
 // x [..., K] in the plan's dtype -> [..., N] in x's dtype: out_into when defined (a contiguous [M, N] tensor of x's
@@ -273,10 +316,17 @@ torch::Tensor run_linear_small_m(const torch::Tensor& x, const SmallMLinear& pla
     else split_x_to_f32<false>(x16, x_split.data_ptr<float>(), m, k);
     a.x_split = x_split.data_ptr<float>();
   }
-  const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k));  // >= ~32 KiB of weights per task
+  // Tasks of whole 16-row panels when prepacked panels serve the call (each task's panels then start at a multiple
+  // of 16 rows, where the prepacked layout has them), else of kRowBlock rows; every row's result is the same
+  // either way.
+  const bool panel_tasks = plan.panels != nullptr && path == Path::kAvx2 && m >= kPanelMinRows;
+  if (panel_tasks) a.panels = plan.panels;
+  const int64_t unit = panel_tasks ? kPanelRows : kRowBlock;
+  const int64_t blocks = (n + unit - 1) / unit;
+  // >= ~32 KiB of weights per task
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k) * kRowBlock / unit);
   ascent_par::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    run_rows(a, path, is_half, b0 * kRowBlock, std::min(n, b1 * kRowBlock));
+    run_rows(a, path, is_half, b0 * unit, std::min(n, b1 * unit));
   });
   if (x.dim() == 2) return out;
   auto out_sizes = x.sizes().vec();
@@ -286,9 +336,11 @@ torch::Tensor run_linear_small_m(const torch::Tensor& x, const SmallMLinear& pla
 
 // x [..., K] (bf16/fp16), weight [N, K] (same dtype, contiguous), bias [N] (same dtype) or None
 // -> [..., N] in x's dtype, or fp32 holding those values when float_output.
+// panels: pack_panels(weight) or None (the AVX2 panel path then repacks W per call).
 torch::Tensor linear_small_m(const torch::Tensor& x, const torch::Tensor& weight,
-                             const c10::optional<torch::Tensor>& bias, bool float_output) {
-  return run_linear_small_m(x, plan_linear_small_m(weight, bias), torch::Tensor(), float_output);
+                             const c10::optional<torch::Tensor>& bias, bool float_output,
+                             const c10::optional<torch::Tensor>& panels = c10::nullopt) {
+  return run_linear_small_m(x, plan_linear_small_m(weight, bias, panels), torch::Tensor(), float_output);
 }
 
 // Whether bf16 calls take the AVX512-BF16 dot-product path now (the Python side sizes the small-M range from it).
@@ -314,8 +366,11 @@ int64_t set_gemv_isa_limit(int64_t level) {
 #ifndef ASCENT_EMBEDDED_KERNELS  // decode_stack_cpu.cpp includes this file into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small_m", &linear_small_m, "y = x @ W^T (+ bias) for small M, bf16/fp16, fp32 accumulation; "
-        "float_output: the rounded values as fp32", py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
-        py::arg("float_output") = false);
+        "float_output: the rounded values as fp32; panels: pack_panels(weight) (the AVX2 path's prepacked panels)",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("float_output") = false,
+        py::arg("panels") = py::none());
+  m.def("pack_panels", &pack_panels, "pack_panels(weight [N, K] bf16/fp16) -> fp32 [N / 16, K, 16], the AVX2 "
+        "panel path's layout of W's full 16-row panels", py::arg("weight"));
   m.def("bf16_dot_path", &bf16_dot_path, "bf16_dot_path() -> whether bf16 takes the AVX512-BF16 path");
   m.def("kernel_path", &kernel_path, "kernel_path(half) -> the path fp16 (half) or bf16 calls take now",
         py::arg("half"));

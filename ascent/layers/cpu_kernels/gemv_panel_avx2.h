@@ -65,10 +65,12 @@ __attribute__((target("avx2,fma,f16c"))) void pack_panel16(const uint16_t* w, in
     for (int64_t r = 0; r < kPanelRows; ++r) panel[c * kPanelRows + r] = static_cast<float>(wt[r * k + c]);
 }
 
-// out[j][r] = sum_c panel[c][r] * xs[j * k + c] for MX x rows (x_split rows) and the panel's 16 W rows.
+// out[j][r] = sum_c panel[c][r] * xs[j * k + c] for MX x rows (x_split rows) and the panel's 16 W rows; `next`
+// (a prepacked panel the next tiles read, or null) is prefetched into L2 a line per column on the way.
 template <int MX>
 __attribute__((target("avx2,fma"))) void panel_tile_avx2(const float* panel, int64_t k, const float* xs,
-                                                          float (&out)[kPanelMaxTileX][kPanelRows]) {
+                                                          float (&out)[kPanelMaxTileX][kPanelRows],
+                                                          const float* next) {
   __m256 lo[MX], hi[MX];
 #pragma GCC unroll 6
   for (int j = 0; j < MX; ++j) {
@@ -76,6 +78,7 @@ __attribute__((target("avx2,fma"))) void panel_tile_avx2(const float* panel, int
     hi[j] = _mm256_setzero_ps();
   }
   for (int64_t c = 0; c < k; ++c) {
+    if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + c * kPanelRows), _MM_HINT_T1);
     const __m256 w0 = _mm256_loadu_ps(panel + c * kPanelRows), w1 = _mm256_loadu_ps(panel + c * kPanelRows + 8);
 #pragma GCC unroll 6
     for (int j = 0; j < MX; ++j) {
@@ -94,12 +97,12 @@ __attribute__((target("avx2,fma"))) void panel_tile_avx2(const float* panel, int
 }
 
 void panel_tile_mx(const float* panel, int64_t k, const float* xs, int64_t mx,
-                   float (&out)[kPanelMaxTileX][kPanelRows]) {
+                   float (&out)[kPanelMaxTileX][kPanelRows], const float* next) {
   switch (mx) {  // 4 <= mx <= 6 when m >= kPanelMinRows (passes as even as possible)
-    case 6: panel_tile_avx2<6>(panel, k, xs, out); break;
-    case 5: panel_tile_avx2<5>(panel, k, xs, out); break;
-    case 4: panel_tile_avx2<4>(panel, k, xs, out); break;
-    default: panel_tile_avx2<3>(panel, k, xs, out); break;
+    case 6: panel_tile_avx2<6>(panel, k, xs, out, next); break;
+    case 5: panel_tile_avx2<5>(panel, k, xs, out, next); break;
+    case 4: panel_tile_avx2<4>(panel, k, xs, out, next); break;
+    default: panel_tile_avx2<3>(panel, k, xs, out, next); break;
   }
 }
 
@@ -134,6 +137,7 @@ __attribute__((target("avx2,fma"))) inline void store_panel_row(const GemvArgs& 
 
 // W rows [row_begin, row_end) against all a.m x rows (a.x_split): whole panels of 16 rows repacked and run in
 // passes of at most 6 x rows; the rows left over (fewer than 16) take the split tiles of gemv_avx2.h.
+// With a.panels (pack_panels' layout) a panel that starts at a multiple of 16 rows is read from there instead.
 template <typename T, bool kIsHalf>
 void run_rows_panel_avx2(const GemvArgs& a, int64_t row_begin, int64_t row_end) {
   static thread_local std::vector<float> panel;
@@ -142,12 +146,17 @@ void run_rows_panel_avx2(const GemvArgs& a, int64_t row_begin, int64_t row_end) 
   const auto* w = static_cast<const uint16_t*>(a.w);
   int64_t n0 = row_begin;
   for (; n0 + kPanelRows <= row_end; n0 += kPanelRows) {
-    const uint16_t* next = n0 + 2 * kPanelRows <= row_end ? w + (n0 + kPanelRows) * a.k : nullptr;
-    pack_panel16<T, kIsHalf>(w + n0 * a.k, a.k, panel.data(), next);
+    const bool prepacked = a.panels != nullptr && n0 % kPanelRows == 0;
+    const float* rows = prepacked ? a.panels + n0 * a.k : panel.data();
+    const float* next = prepacked && n0 + 2 * kPanelRows <= row_end ? rows + kPanelRows * a.k : nullptr;
+    if (!prepacked) {  // no prepacked panel n0 / 16 here: repack it from W's rows
+      const uint16_t* next_rows = n0 + 2 * kPanelRows <= row_end ? w + (n0 + kPanelRows) * a.k : nullptr;
+      pack_panel16<T, kIsHalf>(w + n0 * a.k, a.k, panel.data(), next_rows);
+    }
     for (int64_t p = 0, m0 = 0; p < passes; ++p) {
       const int64_t mx = pass_rows(a.m, passes, p);
       float out[kPanelMaxTileX][kPanelRows];
-      panel_tile_mx(panel.data(), a.k, a.x_split + m0 * a.k, mx, out);
+      panel_tile_mx(rows, a.k, a.x_split + m0 * a.k, mx, out, p == 0 ? next : nullptr);
       for (int64_t j = 0; j < mx; ++j) store_panel_row<kIsHalf>(a, m0 + j, n0, out[j]);
       m0 += mx;
     }
