@@ -196,9 +196,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Non
     if (small_m is not None and x.dtype == weight.dtype and weight.numel() > 0
             and (panels is not None or x.numel() <= small_m_max(x.dtype) * weight.shape[1])
             and (bias is None or bias.dtype == x.dtype)):
-        if panels is not None and panels.panels is not None:
-            return small_m.linear_small_m(x, weight, bias, float_output, panels.panels)
-        return small_m.linear_small_m(x, weight, bias, float_output)
+        return small_m.linear_small_m(x, weight, bias, float_output, panels.panels if panels is not None else None)
     if packed is not None and (x.dtype == packed.dtype or packed.dtype == torch.float32):
         return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)

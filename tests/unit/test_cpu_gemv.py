@@ -102,8 +102,19 @@ def test_leading_dims_and_strided_input(gemv):
     torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), rtol=1e-2, atol=1e-2)
 
 
-def _avx2_path(gemv, dtype: torch.dtype) -> bool:
-    return gemv.kernel_path(dtype == torch.float16) == "avx2"
+@pytest.fixture
+def avx2_path(gemv):
+    """The kernel capped at its AVX2 path, whose layout the panels are (CPUs with AVX512 run it too); a CPU without
+    AVX2 + FMA + F16C has no such path."""
+    previous = gemv.set_isa_limit(1)
+    cpu_packing.small_m_max.cache_clear()
+    try:
+        if gemv.kernel_path(False) != "avx2":
+            pytest.skip("this CPU has no AVX2 + FMA + F16C: the kernel has no panel path here")
+        yield gemv
+    finally:
+        gemv.set_isa_limit(previous)
+        cpu_packing.small_m_max.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -112,10 +123,8 @@ def _avx2_path(gemv, dtype: torch.dtype) -> bool:
 # mid 16-column block; (8, 32): no full panel
 @pytest.mark.parametrize("n,k", [(96, 64), (1030, 48), (37, 100), (8, 32)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_prepacked_panels_equal_per_call_repacking(gemv, dtype, m, n, k, with_bias):
+def test_prepacked_panels_equal_per_call_repacking(avx2_path, gemv, dtype, m, n, k, with_bias):
     """pack_panels lays W out as the AVX2 panel path repacks it per call: passing it gives the same bits."""
-    if not _avx2_path(gemv, dtype):
-        pytest.skip("the panel layout is the AVX2 path's; this CPU takes another path")
     gen = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) * 0.1).to(dtype)
@@ -129,9 +138,7 @@ def test_prepacked_panels_equal_per_call_repacking(gemv, dtype, m, n, k, with_bi
         assert torch.equal(panels[0, k - 1], w[:16, k - 1].float())
 
 
-def test_prepacked_panels_bad_inputs_raise(gemv):
-    if not _avx2_path(gemv, torch.bfloat16):
-        pytest.skip("the panel layout is the AVX2 path's; this CPU takes another path")
+def test_prepacked_panels_bad_inputs_raise(avx2_path, gemv):
     w = torch.zeros(32, 16, dtype=torch.bfloat16)
     x = torch.zeros(30, 16, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="panels must be pack_panels"):
@@ -145,12 +152,10 @@ def test_prepacked_panels_bad_inputs_raise(gemv):
 
 
 @pytest.mark.parametrize("released", [False, True])
-def test_panel_weight_takes_every_row_count(gemv, monkeypatch, released):
+def test_panel_weight_takes_every_row_count(avx2_path, gemv, monkeypatch, released):
     """On the kernel's AVX2 path a layer gets a PanelWeight and no fp32 GEMM copy: the kernel then takes calls beyond
     small_m_max too (with the prepacked panels, or repacking once limit_dual_layouts released them), within one
     output rounding of the exact product."""
-    if not _avx2_path(gemv, torch.bfloat16):
-        pytest.skip("the panel layout is the AVX2 path's; this CPU takes another path")
     gen = torch.Generator().manual_seed(11)
     w = (torch.randn(40, 48, generator=gen) * 0.1).to(torch.bfloat16)
     bias = torch.randn(40, generator=gen).to(torch.bfloat16)
