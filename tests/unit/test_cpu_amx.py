@@ -99,6 +99,28 @@ def test_one_row_takes_the_dot_product_path_on_the_same_tiles(amx, n, k):
     assert bool(amx.amx_linear(poisoned, wp, None).isnan().all())
 
 
+@pytest.mark.parametrize("n,k", [(144, 64), (368, 96), (3200, 576)])
+def test_one_row_streams_cover_every_block_in_one_order(amx, n, k):
+    """Each thread reads its column blocks as four side-by-side streams plus the blocks left over one at a time: every
+    block is computed (the exact product rounded once), and since a block's sums keep one order whichever stream or
+    leftover pass reads it, 1, 2 and 3 threads (other cuts into parts) give the same bits."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    wp = amx.amx_pack(w)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(amx.amx_linear(x, wp, bias))
+    finally:
+        torch.set_num_threads(threads)
+    _assert_bf16_of(outs[0], _exact(x, w, bias))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_leading_dims_strides_and_bad_inputs(amx):
     w = torch.randn(32, 64).to(torch.bfloat16)
     wp = amx.amx_pack(w)

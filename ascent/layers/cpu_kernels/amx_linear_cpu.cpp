@@ -11,7 +11,7 @@
 // Requires N % 16 == 0 and K % 32 == 0 (the caller falls back otherwise).
 //
 // A single row of x (batch-1 decode) skips the tiles: gemv_range reads the same packed weight with AVX512-BF16 dot
-// products, one sequential stream per thread.
+// products, four sequential streams per thread.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -207,43 +207,67 @@ __attribute__((target("amx-tile,amx-bf16"))) void block_range64(const Operands& 
   _tile_release();
 }
 
-// One row of x (M = 1) on the same packed weight, without tiles: a tile of one row wastes the unit, and the tiles'
-// two interleaved weight streams per column-block pair read DRAM slower than one sequential stream (measured on a
-// Xeon with AMX, SmolLM2's 120 decode linears + lm_head, 2 threads, interleaved: 0.94-0.96x the tiles' time, as fast
-// as the small-M kernel on plain rows, which this layout no longer keeps). Row r of the VNNI B tile of (nb, kb)
-// holds the 16 columns' pair (2r, 2r + 1) of K block kb, so one VDPBF16PS against x's pair broadcast adds it to the
-// 16 output lanes; four accumulators over the tile rows. A thread's column blocks are one contiguous stretch of wp,
-// read front to back with a T0 and a T2 prefetch ahead (one of each per 64-byte line; without them the stream is
-// 1.36x slower, other distances from 1/4 to 4/16 KiB were within 3 %).
-constexpr int64_t kGemvPrefetchNear = 2048;
-constexpr int64_t kGemvPrefetchFar = 8192;
+// One row of x (M = 1) on the same packed weight, without tiles: a tile of one row wastes the unit. Row r of the VNNI
+// B tile of (nb, kb) holds the 16 columns' pair (2r, 2r + 1) of K block kb, so one VDPBF16PS against x's pair
+// broadcast adds it to the 16 output lanes; four accumulators per column block over the tile rows. A thread's column
+// blocks are one contiguous stretch of wp, cut into kGemvStreams equal parts read side by side (block i of every
+// part in one pass, each part a sequential stream with a T0 prefetch kGemvPrefetch bytes ahead per 64-byte line);
+// the blocks left over go one at a time. One stream per thread leaves the memory system idle between its
+// prefetches, as on Zen 3 (gemv_avx2.h). Measured on a Xeon with AMX (SmolLM2's 120 decode linears + lm_head from
+// DRAM, 2 threads, alternated in one process, GB/s against the one-stream sweep with T0 2 KiB + T2 8 KiB
+// prefetches): 2 streams 1.065x, 3 1.12x, 4 1.10-1.15x, 6 1.09x, 8 0.91x; with 4 streams a T0 prefetch alone at
+// 1-2 KiB beat T0 + T2 (1.15 against 1.10x), no prefetch 1.04x, T0 at 4 KiB 1.11x. Each block's sums run in the
+// one-stream order, so the output does not depend on the streams.
+constexpr int kGemvStreams = 4;
+constexpr int64_t kGemvPrefetch = 2048;
 
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) __m512 gemv_column_block(const Operands& o, int64_t nb) {
+// x [1, K] against the S column blocks nb[0..S), out[s] = their 16 fp32 sums (before bias and rounding).
+template <int S>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void gemv_column_blocks(const Operands& o,
+                                                                                const int64_t (&nb)[S],
+                                                                                float (*out)[16]) {
   const char* x_pairs = reinterpret_cast<const char*>(o.x);
-  const char* tiles = reinterpret_cast<const char*>(o.wp + nb * o.kb * 512);
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  const char* tiles[S];
+  __m512 acc[S][4];
+#pragma GCC unroll 4
+  for (int s = 0; s < S; ++s) {
+    tiles[s] = reinterpret_cast<const char*>(o.wp + nb[s] * o.kb * 512);
+    for (int a = 0; a < 4; ++a) acc[s][a] = _mm512_setzero_ps();
+  }
   for (int64_t k = 0; k < o.kb; ++k) {
-    const char* tile = tiles + k * 1024;
     const char* x_k = x_pairs + 64 * k;
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
-      _mm_prefetch(tile + 64 * r + kGemvPrefetchNear, _MM_HINT_T0);
-      _mm_prefetch(tile + 64 * r + kGemvPrefetchFar, _MM_HINT_T2);
-      const __m512i w = _mm512_loadu_si512(tile + 64 * r);
       int32_t x_pair;
       std::memcpy(&x_pair, x_k + 4 * r, 4);
-      acc[r & 3] = _mm512_dpbf16_ps(acc[r & 3], (__m512bh)w, (__m512bh)_mm512_set1_epi32(x_pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(x_pair);
+#pragma GCC unroll 4
+      for (int s = 0; s < S; ++s) {
+        const char* line = tiles[s] + k * 1024 + 64 * r;
+        _mm_prefetch(line + kGemvPrefetch, _MM_HINT_T0);
+        acc[s][r & 3] = _mm512_dpbf16_ps(acc[s][r & 3], (__m512bh)_mm512_loadu_si512(line), xb);
+      }
     }
   }
-  return _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+#pragma GCC unroll 4
+  for (int s = 0; s < S; ++s)
+    _mm512_store_ps(out[s], _mm512_add_ps(_mm512_add_ps(acc[s][0], acc[s][1]), _mm512_add_ps(acc[s][2], acc[s][3])));
 }
 
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void gemv_range(const Operands& o, int64_t nb_begin,
                                                                         int64_t nb_end) {
-  alignas(64) float scratch[32];
-  for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
-    _mm512_store_ps(scratch, gemv_column_block(o, nb));
-    store_rows(o, scratch, 0, 1, 16 * nb, 1);
+  alignas(64) float sums[kGemvStreams][16];
+  const int64_t part = (nb_end - nb_begin) / kGemvStreams;
+  int64_t nbs[kGemvStreams];
+  for (int64_t i = 0; i < part; ++i) {
+    for (int s = 0; s < kGemvStreams; ++s) nbs[s] = nb_begin + s * part + i;
+    gemv_column_blocks<kGemvStreams>(o, nbs, sums);
+    for (int s = 0; s < kGemvStreams; ++s) store_rows(o, sums[s], 0, 1, 16 * nbs[s], 1);
+  }
+  for (int64_t nb = nb_begin + kGemvStreams * part; nb < nb_end; ++nb) {
+    const int64_t one[1] = {nb};
+    gemv_column_blocks<1>(o, one, sums);
+    store_rows(o, sums[0], 0, 1, 16 * nb, 1);
   }
 }
 
