@@ -60,6 +60,9 @@ INT8_NV_MAX_M = 48
 # bf16 x, interleaved medians, ms (VNNI kernel | AMX-INT8 | quantize + _int_mm):
 #   M=1: 5.6 | 4.9 | 15.8;  M=4: 6.8 | 5.2 | 17.6;  M=16: 15.8 | 6.6 | 20.6;  M=32: 26.8 | 8.5 | 26.4;
 #   M=64: 50.5 | 12.4 | 33.5;  M=128: 100.6 | 20.4 | 50.9.
+# One row of x since runs VNNI dot products on the same packed tiles as four streams per thread (i8_gemv_range),
+# bit-identical: 120 linears + a 49152 x 576 head, 2 threads, alternated in one process, 1.23x the GB/s of the
+# one-row tiles (20.4 -> 25.1 GB/s).
 # W8A8 (dynamic and static) takes AMX-INT8 at every M when the CPU has it: against quantize + _int_mm (static: the
 # same with its offset and deq_scale), same 30 layers, 2 threads, interleaved medians, ms: M = 256 30.3 vs 63.3
 # (static 29.0 vs 61.7); 512 61.7 vs 247; 1024 133 vs 420; 2048 260 vs 705; 4096 568 vs 1887 (static 515 vs 1933),

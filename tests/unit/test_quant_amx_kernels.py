@@ -39,6 +39,36 @@ def test_w8a8_amx_kernel_bit_identical(ops, dtype, m, k, n):
 
 
 @needs_amx_int8
+@pytest.mark.parametrize("k,n", [(64, 16), (576, 144), (1536, 368), (576, 3200)])
+def test_w8a8_amx_one_row_streams_bit_identical(ops, k, n):
+    """One row of x takes VNNI dot products on the tiles' layout, its column blocks read as four side-by-side streams
+    per thread plus the blocks left over: every block's int32 sum is exact (x taken as x + 128 and 128 * sum(w) taken
+    back), so dynamic and static outputs equal the torch references bit for bit, at 1, 2 and 3 threads, with
+    weights at -128 / 127 and activations quantized to both ends (static: -128 through its offset)."""
+    g = gen(k * 3 + n)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    w[0, :] = -128
+    w[-1, :] = 127
+    scale = torch.rand(n, generator=g) * 0.01 + 1e-3
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    x[0, :3] = torch.tensor([8.0, -8.0, 0.0])
+    deq = torch.rand(n, generator=g) * 0.01 + 1e-4
+    qb = torch.randint(-1000, 1000, (n,), generator=g, dtype=torch.int32)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    packed = ops.w8a8_amx_pack(w)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            y = ops.w8a8_dynamic_linear_amx(x, packed, scale, bias)
+            assert torch.equal(y, kernels.int8_linear_dynamic(x, w.t(), scale, bias))
+            y = ops.w8a8_static_linear_amx(x, packed, 0.02, 20.0, deq, qb, bias)  # x = -8 -> -400 + 20: -128
+            assert torch.equal(y, kernels.int8_linear_static(x, w.t(), 0.02, 20.0, deq, qb, bias))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx_int8
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,k,n", [(1, 64, 16), (20, 576, 96), (40, 576, 96), (64, 128, 48), (70, 128, 48)])
 def test_w8a8_static_amx_kernel_bit_identical(ops, dtype, m, k, n):

@@ -148,6 +148,68 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
   _tile_release();
 }
 
+// One row of x (M = 1) on the same packed weight, without tiles: a one-row tile leaves the unit waiting on each
+// weight tile from memory. Row r of the B tile of (nb, kb) holds the 16 columns' quad (4r .. 4r + 3) of K block kb,
+// so VPDPBUSD against x's quad broadcast adds it to the 16 output lanes; the quad is taken as unsigned (x + 128, the
+// sign bit flipped) and a second VPDPBUSD of ones against the same row sums the weights, so acc - 128 * sum is the
+// int32 sum of x * w modulo 2^32, i.e. exactly the tiles' sum. A thread's column blocks are cut into kI8GemvStreams
+// equal parts read side by side with a T0 prefetch kI8GemvPrefetch bytes ahead per line (the bf16 one-row kernel's
+// scheme, amx_linear_cpu.cpp gemv_range), the blocks left over one at a time.
+constexpr int kI8GemvStreams = 4;
+constexpr int64_t kI8GemvPrefetch = 2048;
+
+template <int S>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void i8_gemv_blocks(const AmxI8Operands& o,
+                                                                                         const int64_t (&nb)[S]) {
+  const int8_t* tiles[S];
+  __m512i acc[S], wsum[S];
+#pragma GCC unroll 4
+  for (int s = 0; s < S; ++s) {
+    tiles[s] = o.wp + nb[s] * o.kb * 1024;
+    acc[s] = _mm512_setzero_si512();
+    wsum[s] = _mm512_setzero_si512();
+  }
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t k = 0; k < o.kb; ++k) {
+    const int8_t* x_k = o.xq + 64 * k;
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, x_k + 4 * r, 4);
+      const __m512i xu = _mm512_set1_epi32(quad ^ static_cast<int32_t>(0x80808080u));
+#pragma GCC unroll 4
+      for (int s = 0; s < S; ++s) {
+        const int8_t* line = tiles[s] + k * 1024 + 64 * r;
+        _mm_prefetch(reinterpret_cast<const char*>(line) + kI8GemvPrefetch, _MM_HINT_T0);
+        const __m512i w = _mm512_loadu_si512(line);
+        acc[s] = _mm512_dpbusd_epi32(acc[s], xu, w);
+        wsum[s] = _mm512_dpbusd_epi32(wsum[s], ones, w);
+      }
+    }
+  }
+  alignas(64) int32_t sums[16];
+#pragma GCC unroll 4
+  for (int s = 0; s < S; ++s) {
+    _mm512_store_si512(sums, _mm512_sub_epi32(acc[s], _mm512_slli_epi32(wsum[s], 7)));
+    amx_i8_store16(o, 0, 16 * nb[s], sums);
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void i8_gemv_range(const AmxI8Operands& o,
+                                                                                        int64_t nb_begin,
+                                                                                        int64_t nb_end) {
+  const int64_t part = (nb_end - nb_begin) / kI8GemvStreams;
+  int64_t nbs[kI8GemvStreams];
+  for (int64_t i = 0; i < part; ++i) {
+    for (int s = 0; s < kI8GemvStreams; ++s) nbs[s] = nb_begin + s * part + i;
+    i8_gemv_blocks<kI8GemvStreams>(o, nbs);
+  }
+  for (int64_t nb = nb_begin + kI8GemvStreams * part; nb < nb_end; ++nb) {
+    const int64_t one[1] = {nb};
+    i8_gemv_blocks<1>(o, one);
+  }
+}
+
 // W8A16 (per channel, no zero point) on the same tiles: x as 16-bit fixed point (quant_wo_vnni.h) in two s8 rows,
 // hi and lo (x^ = 256 hi + lo); per 16-row block the accumulators hi x B0, hi x B1, lo x B0, lo x B1 hold exact int32
 // sums over all of K, and y = (256 * hi + lo) * step[m] * scale[n] (+ bias) in fp32.

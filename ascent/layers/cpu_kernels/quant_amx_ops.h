@@ -24,7 +24,9 @@ int64_t check_amx_pack(const at::Tensor& wp) {
 // The tiles over all column-block pairs, split over torch's threads; returns out.
 at::Tensor amx_i8_run(const AmxI8Operands& o, int64_t m, const at::Tensor& out) {
   const int64_t pairs = (o.n / 16 + 1) / 2;
-  if (m > 32 && m <= 64) {  // one pass over the weight (amx_i8_block64)
+  if (m == 1 && use_vnni()) {  // one row: VNNI dot products on the tiles' layout (i8_gemv_range)
+    ascent_par::parallel_for(0, o.n / 16, 8, [&](int64_t begin, int64_t end) { i8_gemv_range(o, begin, end); });
+  } else if (m > 32 && m <= 64) {  // one pass over the weight (amx_i8_block64)
     ascent_par::parallel_for(0, o.n / 16, 8, [&](int64_t begin, int64_t end) { amx_i8_blocks64(o, m, begin, end); });
   } else if (m > 0) {
     ascent_par::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { amx_i8_pairs(o, m, begin, end); });
