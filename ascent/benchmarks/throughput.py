@@ -17,7 +17,7 @@ from ascent.benchmarks.cli import BENCH_OWN_ENGINE_FLAGS
 from ascent.benchmarks.common import Timer, collect_env, dtype_name, pin_threads, safe_ratio, write_json
 from ascent.benchmarks.datasets import (BenchRequest, length_summary, resolve_len_range, sample_requests)
 from ascent.benchmarks.hf_peer import load_peer_model, peer_throughput, throughput_metrics
-from ascent.benchmarks.memory import memory_report
+from ascent.benchmarks.memory import PeakWindow, memory_report
 from ascent.benchmarks.roofline import (
     RooflineSizes,
     calibrate,
@@ -129,8 +129,11 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     if args.num_prompts < 1:
         raise ValueError(f"num_prompts={args.num_prompts!r} must be at least 1")
     llm = build_llm(args, in_range[1] + out_range[1])
+    peak = PeakWindow()
+    peak.loaded()
     mc = llm.llm_engine.config.model_config
     calibration = calibrate(mc.torch_dtype, roofline_sizes(args))
+    peak.start_run()  # B7 leaves the calibration's buffers out
     vocab = prompt_vocab_size(llm)
     requests = sample_requests(args.num_prompts, in_range, out_range, vocab, args.seed)
     warmup = sample_requests(min(WARMUP_PROMPTS, args.num_prompts), in_range,
@@ -138,7 +141,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     engine_generate(llm, warmup, args.temperature, not args.disable_detokenize)
     with Timer() as timer:
         produced = engine_generate(llm, requests, args.temperature, not args.disable_detokenize)
-    memory = memory_report(llm)  # B7, before the calibration's and the peer's allocations
+    memory = memory_report(llm, peak)  # B7, before the second calibration's and the peer's allocations
     calibration = merge_calibrations(calibration, calibrate(mc.torch_dtype, roofline_sizes(args)))
     lengths = length_summary(requests)
     result: dict[str, Any] = throughput_metrics(timer.elapsed, len(requests), lengths["total_input_tokens"], produced)
