@@ -97,6 +97,21 @@ def test_auto_commits_when_the_probe_is_quick_and_stays_lazy_when_slow(monkeypat
     assert note.startswith("lazy") and resident_fraction(refused[0]) < 0.5
 
 
+def test_auto_stops_at_the_budget_when_committing_slows_after_the_probe(monkeypatch):
+    """A quick probe followed by a slow host: ``auto`` commits piece by piece and stops once the start-up budget is
+    spent, leaving the rest lazy (a VM's commit rate drifts: a probe promising under 2 s preceded 3.9 s)."""
+    monkeypatch.setenv(prefault.ENV, "auto")
+    readings = iter([0.0, 0.001] + [0.9 * i for i in range(1, 100)])  # probe 1 ms, then 0.9 s per piece
+    caches = [fresh(), fresh()]  # 128 MiB: the probe + 3 pieces of 32 MiB
+    note = prefault.commit_caches(caches, clock=lambda: next(readings))
+    assert note.startswith("96 of 128 MiB committed within the 2 s start-up budget"), note
+    assert resident_fraction(caches[0]) == 1.0 and resident_fraction(caches[1]) == pytest.approx(0.5, abs=0.01)
+    refusing = [fresh()]  # the kernel takes the probe, then refuses
+    calls = iter([True, False])
+    note = prefault.commit_caches(refusing, populate=lambda start, length: next(calls), clock=ticking_clock(1e-3))
+    assert note == "32 of 64 MiB committed (the kernel refused the rest)"
+
+
 @linux_only
 def test_forced_and_disabled_modes(monkeypatch):
     monkeypatch.setenv(prefault.ENV, "1")
