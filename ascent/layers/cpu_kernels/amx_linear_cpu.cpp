@@ -23,6 +23,7 @@
 
 #include "amx_tiles.h"
 #include "parallel_team.h"
+#include "stream_prefetch.h"
 
 namespace ascent_amx {
 namespace {
@@ -257,18 +258,11 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void gemv_column_blocks(c
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void gemv_range(const Operands& o, int64_t nb_begin,
                                                                         int64_t nb_end) {
   alignas(64) float sums[kGemvStreams][16];
-  const int64_t part = (nb_end - nb_begin) / kGemvStreams;
-  int64_t nbs[kGemvStreams];
-  for (int64_t i = 0; i < part; ++i) {
-    for (int s = 0; s < kGemvStreams; ++s) nbs[s] = nb_begin + s * part + i;
-    gemv_column_blocks<kGemvStreams>(o, nbs, sums);
-    for (int s = 0; s < kGemvStreams; ++s) store_rows(o, sums[s], 0, 1, 16 * nbs[s], 1);
-  }
-  for (int64_t nb = nb_begin + kGemvStreams * part; nb < nb_end; ++nb) {
-    const int64_t one[1] = {nb};
-    gemv_column_blocks<1>(o, one, sums);
-    store_rows(o, sums[0], 0, 1, 16 * nb, 1);
-  }
+  ascent_prefetch::side_by_side<kGemvStreams>(nb_begin, nb_end, [&](const auto& nbs) {
+    constexpr int S = std::extent_v<std::remove_reference_t<decltype(nbs)>>;
+    gemv_column_blocks<S>(o, nbs, sums);
+    for (int s = 0; s < S; ++s) store_rows(o, sums[s], 0, 1, 16 * nbs[s], 1);
+  });
 }
 
 }  // namespace

@@ -112,17 +112,9 @@ __attribute__((target("avx2,fma,f16c"))) void gemv_rows_streams_avx2(const GemvA
 // (0.80x), 6 tied.
 template <typename T, bool kIsHalf, int S, int MS, int NA>
 void run_rows_streams_avx2(const GemvArgs& a, int64_t row_begin, int64_t row_end, int64_t m0) {
-  const int64_t part = (row_end - row_begin) / S;
-  int64_t rows[S];
-  for (int64_t i = 0; i < part; ++i) {
-#pragma GCC unroll 4
-    for (int s = 0; s < S; ++s) rows[s] = row_begin + s * part + i;
-    gemv_rows_streams_avx2<T, kIsHalf, S, MS, NA>(a, rows, m0);
-  }
-  for (int64_t n = row_begin + S * part; n < row_end; ++n) {
-    const int64_t one[1] = {n};
-    gemv_rows_streams_avx2<T, kIsHalf, 1, MS, NA>(a, one, m0);
-  }
+  ascent_prefetch::side_by_side<S>(row_begin, row_end, [&](const auto& rows) {
+    gemv_rows_streams_avx2<T, kIsHalf, std::extent_v<std::remove_reference_t<decltype(rows)>>, MS, NA>(a, rows, m0);
+  });
 }
 
 // x [m, k] (16-bit) -> fp32 [m, k] in split order: each full 16-column block as split16_256 gives it (bf16: the 8

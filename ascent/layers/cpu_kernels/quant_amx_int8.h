@@ -198,16 +198,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void i8_gem
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void i8_gemv_range(const AmxI8Operands& o,
                                                                                         int64_t nb_begin,
                                                                                         int64_t nb_end) {
-  const int64_t part = (nb_end - nb_begin) / kI8GemvStreams;
-  int64_t nbs[kI8GemvStreams];
-  for (int64_t i = 0; i < part; ++i) {
-    for (int s = 0; s < kI8GemvStreams; ++s) nbs[s] = nb_begin + s * part + i;
-    i8_gemv_blocks<kI8GemvStreams>(o, nbs);
-  }
-  for (int64_t nb = nb_begin + kI8GemvStreams * part; nb < nb_end; ++nb) {
-    const int64_t one[1] = {nb};
-    i8_gemv_blocks<1>(o, one);
-  }
+  ascent_prefetch::side_by_side<kI8GemvStreams>(nb_begin, nb_end, [&](const auto& nbs) {
+    i8_gemv_blocks<std::extent_v<std::remove_reference_t<decltype(nbs)>>>(o, nbs);
+  });
 }
 
 // W8A16 (per channel, no zero point) on the same tiles: x as 16-bit fixed point (quant_wo_vnni.h) in two s8 rows,

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 namespace ascent_prefetch {
 
@@ -49,6 +50,24 @@ inline void stream_line(const char* p, bool nta, int64_t nta_ahead) {
   } else {
     _mm_prefetch(p + kT0Ahead, _MM_HINT_T0);
     _mm_prefetch(p + kT1Ahead, _MM_HINT_T1);
+  }
+}
+
+// Indices [begin, end) (weight rows or column blocks) read as S side-by-side streams: the range is cut into S equal
+// parts, and f(idx) gets index i of every part (idx[s] = begin + s * part + i, an int64_t[S]) for each i in turn;
+// the indices left over then go to f one at a time (an int64_t[1]).
+template <int S, typename F>
+inline void side_by_side(int64_t begin, int64_t end, const F& f) {
+  const int64_t part = (end - begin) / S;
+  int64_t idx[S];
+  for (int64_t i = 0; i < part; ++i) {
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s) idx[s] = begin + s * part + i;
+    f(idx);
+  }
+  for (int64_t n = begin + S * part; n < end; ++n) {
+    const int64_t one[1] = {n};
+    f(one);
   }
 }
 
