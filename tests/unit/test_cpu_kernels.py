@@ -230,6 +230,7 @@ def test_every_kernel_header_is_part_of_its_modules_build_hash():
     stack_sources = set(_included("decode_stack_cpu.cpp"))
     assert {"quant_wo_nv.h", "quant_int8_nv.h", "gemv_cpu.cpp", "gemv_avx2.h", "avx512_bf16.h",
             "stream_prefetch.h", "amx_prefill_attention.h", "parallel_team.h", "paged_attention_cpu.h",
-            "out_rows.h"} <= stack_sources
+            "out_rows.h", "warm_ahead.h"} <= stack_sources
     assert sorted(_included("gemv_cpu.cpp")) == ["bf16_round_avx2.h", "gemv_avx2.h", "gemv_panel_avx2.h",
-                                                 "out_rows.h", "parallel_team.h", "stream_prefetch.h"]
+                                                 "out_rows.h", "parallel_team.h", "stream_prefetch.h",
+                                                 "warm_ahead.h"]

@@ -310,6 +310,22 @@ torch::Tensor amx_pack(const torch::Tensor& w) {
   return tile_positions(w).contiguous();
 }
 
+// Whether one row of x takes gemv_range (AVX512-BF16 dot products; every AMX-BF16 CPU so far, checked anyway).
+bool one_row_dots() {
+  static const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
+  return bf16_dot;
+}
+
+// The weight stream amx_linear(x of m rows, wp) reads, as its parallel loop splits it (warm_ahead.h): column blocks
+// of K / 32 KiB, four side-by-side parts per thread for one row, else front to back; column-block pairs up to 32 rows.
+ascent_par::StreamHint amx_stream(const torch::Tensor& wp, int64_t m) {
+  const int64_t blocks = wp.size(0), block_bytes = wp.size(1) * 1024;
+  const char* base = static_cast<const char*>(wp.data_ptr());
+  if (m == 1 && one_row_dots()) return {base, blocks, 8, block_bytes, kGemvStreams};
+  if (m > 32 && m <= kRows64) return {base, blocks, 8, block_bytes, 1};
+  return {base, (blocks + 1) / 2, 4, 2 * block_bytes, 1};
+}
+
 // y [M, N] = x [M, K] @ W^T (+ bias) with wp = amx_pack(W); bf16 in and out, fp32 accumulation. float_out: y is
 // fp32 holding the bf16-rounded values (the same numbers as amx_linear(...).float(), without the second pass).
 torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
@@ -323,20 +339,31 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   auto y = torch::empty({m, n}, io.x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   const Operands o{io.x.data_ptr<c10::BFloat16>(), k, wp.data_ptr<c10::BFloat16>(), k / 32,
                    io.bias.defined() ? io.bias.data_ptr<float>() : nullptr, y.data_ptr(), n, float_out};
-  static const bool bf16_dot = __builtin_cpu_supports("avx512bf16");  // every AMX-BF16 CPU so far; checked anyway
-  if (m == 1 && bf16_dot) {
-    ascent_par::parallel_for(0, n / 16, 8, [&](int64_t begin, int64_t end) { gemv_range(o, begin, end); });
-    return y.view(io.out_sizes);
-  }
-  const int64_t pairs = (n / 16 + 1) / 2;
+  const ascent_par::StreamHint loop = amx_stream(wp, m);  // the loop's indices and grain, as warm-ahead sees them
   const PackedTiles source{o};
-  if (m > 32 && m <= kRows64) {
-    ascent_par::parallel_for(0, n / 16, 8,
+  if (m == 1 && one_row_dots()) {
+    ascent_par::parallel_for(0, loop.n, loop.grain, [&](int64_t begin, int64_t end) { gemv_range(o, begin, end); });
+  } else if (m > 32 && m <= kRows64) {
+    ascent_par::parallel_for(0, loop.n, loop.grain,
                              [&](int64_t begin, int64_t end) { block_range64(o, source, m, begin, end); });
   } else {
-    ascent_par::parallel_for(0, pairs, 4, [&](int64_t begin, int64_t end) { pair_range(o, source, m, begin, end); });
+    ascent_par::parallel_for(0, loop.n, loop.grain,
+                             [&](int64_t begin, int64_t end) { pair_range(o, source, m, begin, end); });
   }
   return y.view(io.out_sizes);
+}
+
+// What each thread of a team of `threads` warms ahead of amx_linear(x of m rows, wp) (warm_ahead.h), per thread
+// (byte offset of its first part in wp, part bytes, parts, bytes warmed per part): for tests of the hint's layout.
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> amx_warm_plans(const torch::Tensor& wp, int64_t m,
+                                                                           int64_t threads) {
+  const ascent_par::StreamHint hint = amx_stream(wp, m);
+  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> plans;
+  for (int64_t tid = 0; tid < threads; ++tid) {
+    const ascent_par::WarmPlan plan = ascent_par::warm_plan(hint, tid, threads);
+    plans.emplace_back(plan.limit > 0 ? plan.first - hint.base : -1, plan.part_bytes, plan.parts, plan.limit);
+  }
+  return plans;
 }
 
 #include "amx_wo_linear.h"
@@ -350,6 +377,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_pack", &amx_pack, "amx_pack(W bf16 [N, K]) -> packed B tiles [N/16, K/32, 16, 32]");
   m.def("amx_linear", &amx_linear, "amx_linear(x bf16 [..., K], wp, bias, float_out=False) -> bf16 (or fp32) [..., N]",
         py::arg("x"), py::arg("wp"), py::arg("bias"), py::arg("float_out") = false);
+  m.def("amx_warm_plans", &amx_warm_plans, "amx_warm_plans(wp, m, threads) -> per thread (first byte offset or -1, "
+        "part bytes, parts, bytes warmed per part) of the decode stack's warm-ahead");
   m.def("amx_w4_pack", &amx_w4_pack, "amx_w4_pack(q int8 [N, K], scale fp32 [N, G], zero fp32 [N, G] | None) -> "
         "(nib uint8 [N/16, K/32, 16, 16], coef fp32 [N/16, G, 2, 16])");
   m.def("amx_w8_pack", &amx_w8_pack, "amx_w8_pack(q int8 [N, K], scale fp32 [N, G], zero fp32 [N, G] | None) -> "

@@ -100,6 +100,8 @@ struct LinearCall {
   mutable SmallMLinear small_m;                  // kDense's small-M kernel operands, checked at its first call
   mutable ascent_quant::WoPlan wo;               // kW8A16's, kW4A16's and kW8A16Amx's, likewise
   std::shared_ptr<const LinearCall> inner;       // kWoAmx's call for the rows below its limit
+  mutable ascent_par::StreamHint amx_stream;     // stream_hint's for amx_rows rows
+  mutable int64_t amx_rows = -1;
 
   // The weight-only operands (kW8A16 / kW8A16Amx: tensors 0-3; kW4A16: tensors 0-3 and ints [K, blocked]).
   const ascent_quant::WoPlan& wo_plan() const {
@@ -168,6 +170,17 @@ struct LinearCall {
         return ascent_amx::amx_wo_linear(x, t[0], t[1], optional_tensor(t[2]));
       default: TORCH_CHECK(false, "DecodeStack: unknown linear kind ", kind);
     }
+  }
+
+  // The weight stream run(x of `rows` rows) reads, for the team's warm-ahead (warm_ahead.h): the AMX tiles' (kept
+  // from the first call on, like the kernels' operands); empty for the other kernels.
+  ascent_par::StreamHint stream_hint(int64_t rows) const {
+    if (kind != kDense || rows > ints[1]) return {};
+    if (amx_rows != rows) {
+      amx_stream = ascent_amx::amx_stream(tensors[3], rows);
+      amx_rows = rows;
+    }
+    return amx_stream;
   }
 
   static LinearCall make(int64_t kind, std::vector<at::Tensor> tensors, std::vector<int64_t> ints) {
@@ -335,6 +348,12 @@ class DecodeStack {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers");
     StepBuffers buf;
     at::Tensor hidden = embeddings, residual = embeddings;
+    const int64_t rows = embeddings.size(0);
+    // Before each projection, the one after it: its weights are warmed while a thread waits (warm_ahead.h).
+    const auto next_stream = [&](const LinearCall* call) {
+      ascent_par::set_next_stream(call != nullptr ? call->stream_hint(rows) : ascent_par::StreamHint{});
+    };
+    next_stream(&layers_[0].qkv);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const DecodeLayer& l = layers_[i];
       if (i == 0) {
@@ -345,13 +364,18 @@ class DecodeStack {
         add_rms_norm_into(hidden, residual, l.input_norm, eps_, normed, sum);
         residual = sum;
       }
-      const at::Tensor o = l.o.run(attention(l, l.qkv.run(buf.normed, buf.qkv), cos_sin, write_slots, decode_slots,
-                                             seq_lens, buf), buf.o);
+      next_stream(&l.o);
+      const at::Tensor qkv = l.qkv.run(buf.normed, buf.qkv);
+      const at::Tensor attn = attention(l, qkv, cos_sin, write_slots, decode_slots, seq_lens, buf);
+      next_stream(&l.gate_up);
+      const at::Tensor o = l.o.run(attn, buf.o);
       const at::Tensor& sum = buf.sum(o);
       add_rms_norm_into(o, residual, l.post_norm, eps_, step_buffer(buf.normed, o, o.size(1)), sum);
       residual = sum;
+      next_stream(&l.down);
       const at::Tensor gate_up = l.gate_up.run(buf.normed, buf.gate_up);
       silu_and_mul_into(gate_up, step_buffer(buf.act, gate_up, gate_up.size(1) / 2));
+      next_stream(i + 1 < layers_.size() ? &layers_[i + 1].qkv : nullptr);
       hidden = l.down.run(buf.act, buf.down);
     }
     if (final_norm.has_value()) return add_rms_norm(hidden, residual, *final_norm, final_eps);

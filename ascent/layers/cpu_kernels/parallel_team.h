@@ -26,6 +26,8 @@
 #include <thread>
 #include <utility>
 
+#include "warm_ahead.h"
+
 namespace ascent_par {
 
 class Team {
@@ -45,24 +47,43 @@ class Team {
     end_ = end;
     size_ = (n + chunks - 1) / chunks;
     chunks_ = chunks;
+    loop_hint_ = next_;
     pending_.store(threads_ - 1, std::memory_order_relaxed);  // every server checks in, with a chunk or without
     generation_.fetch_add(1, std::memory_order_release);
     run_chunk(0);
-    for (int64_t spins = 0; pending_.load(std::memory_order_acquire) != 0; ++spins) wait_a_little(spins);
+    for (int64_t spins = 0; pending_.load(std::memory_order_acquire) != 0;) {
+      if (caller_warm_.active(next_, 0, threads_)) {
+        caller_warm_.step();
+      } else {
+        wait_a_little(spins++);
+      }
+    }
     rethrow_error();
   }
+
+  // The weight stream of the next loop that reads one (warm_ahead.h): threads that wait before it prefetch their
+  // part's first lines. Caller only, between loops; published with each later loop.
+  void set_next_stream(const StreamHint& hint) { next_ = hint; }
 
   // The waiting side: thread `tid` (> 0) takes chunk `tid` of each published loop until stop(). Counting starts at
   // the team's first generation, not at the one serve() first sees: the caller may publish before a server arrives.
   void serve(int64_t tid) {
     uint64_t seen = 0;
+    StreamHint hint;  // the last loop's, warmed while waiting for the next
+    WarmAhead warm;
     for (;;) {
       uint64_t now;
-      for (int64_t spins = 0; (now = generation_.load(std::memory_order_acquire)) == seen; ++spins)
-        wait_a_little(spins);
+      for (int64_t spins = 0; (now = generation_.load(std::memory_order_acquire)) == seen;) {
+        if (warm.active(hint, tid, threads_)) {
+          warm.step();
+        } else {
+          wait_a_little(spins++);
+        }
+      }
       seen = now;
       if (stopped_.load(std::memory_order_acquire)) return;
       if (tid < chunks_) run_chunk(tid);
+      hint = loop_hint_;
       // Checked in only after the last read of the loop's fields: the caller rewrites them for the next loop once
       // every server has checked in.
       pending_.fetch_sub(1, std::memory_order_acq_rel);
@@ -114,6 +135,9 @@ class Team {
   void (*fn_)(const void*, int64_t, int64_t) = nullptr;
   const void* ctx_ = nullptr;
   int64_t begin_ = 0, end_ = 0, size_ = 0, chunks_ = 0;
+  StreamHint loop_hint_;  // next_ as it was when the loop was published
+  StreamHint next_;       // the caller's, set_next_stream
+  WarmAhead caller_warm_;
   alignas(64) std::atomic<uint64_t> generation_{0};
   alignas(64) std::atomic<int64_t> pending_{0};
   std::atomic<bool> stopped_{false};
@@ -131,6 +155,11 @@ template <class F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (Team* team = current_team) return team->run(begin, end, grain, f);
   at::parallel_for(begin, end, grain, f);
+}
+
+// Tells the calling thread's team (if any) which weight stream its next weight-reading loop reads.
+inline void set_next_stream(const StreamHint& hint) {
+  if (Team* team = current_team) team->set_next_stream(hint);
 }
 
 // Runs body() on the calling thread with torch's other threads serving its parallel_for loops and returns its
