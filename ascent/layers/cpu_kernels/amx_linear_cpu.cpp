@@ -10,18 +10,23 @@
 // VNNI B-tile of (nb, kb) is 16 rows (K pairs) of 64 bytes, contiguous per nb so one column block streams linearly.
 // Requires N % 16 == 0 and K % 32 == 0 (the caller falls back otherwise).
 //
-// A single row of x (batch-1 decode) skips the tiles: gemv_range reads the same packed weight with AVX512-BF16 dot
-// products, four sequential streams per thread.
+// A single row of x (batch-1 decode) skips the tiles: gemv_blocks reads the same packed weight with AVX512-BF16 dot
+// products, four sequential streams per thread. Every path's column blocks (or pairs) are balanced between the
+// threads by stealing (parallel_blocks.h): each block's outputs do not depend on the thread that computes them.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <thread>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
 #include <vector>
 
 #include "amx_tiles.h"
+#include "parallel_blocks.h"
 #include "parallel_team.h"
 #include "stream_prefetch.h"
 
@@ -127,29 +132,42 @@ __attribute__((target("amx-tile,amx-bf16"))) void column_blocks(const Operands& 
   store_rows(o, scratch, m0, rows0 + rows1, 16 * nb, blocks);
 }
 
-// All rows of x for the column-block pairs [pair_begin, pair_end): per pair, every 32-row block in turn, so the pair's
-// weight tiles come from memory (or are produced) once and later row blocks find them in L1/L2. The tile
-// configuration changes only for a partial last row block.
-template <typename Source>
-__attribute__((target("amx-tile,amx-bf16"))) void pair_range(const Operands& o, const Source& source, int64_t m,
-                                                              int64_t pair_begin, int64_t pair_end) {
+// A thread's tile state over the column-block pairs it takes: the epilogue's scratch and the rows of the loaded
+// configuration; the tiles are released when it goes.
+struct PairTiles {
   alignas(64) float scratch[32 * 32];
-  const int64_t nblocks = o.n / 16;
-  int64_t configured = -1;  // rows of the loaded configuration
-  for (int64_t p = pair_begin; p < pair_end; ++p) {
-    const int64_t nb = 2 * p;
-    for (int64_t m0 = 0; m0 < m; m0 += 2 * kRowsPerTile) {
-      const int64_t rows = std::min<int64_t>(2 * kRowsPerTile, m - m0);
-      if (rows != configured) {
-        const TileConfig cfg = make_config(std::min(rows, kRowsPerTile), rows - std::min(rows, kRowsPerTile));
-        _tile_loadconfig(&cfg);
-        configured = rows;
-      }
-      const int64_t rows0 = std::min(rows, kRowsPerTile);
-      column_blocks(o, source, m0, rows0, rows - rows0, nb, nb + 1 < nblocks ? 2 : 1, m0 == 0, scratch);
-    }
+  int64_t configured = -1;  // rows of the loaded configuration, -1 = none
+  PairTiles() = default;
+  PairTiles(const PairTiles&) = delete;
+  PairTiles& operator=(const PairTiles&) = delete;
+  ~PairTiles() {
+    if (configured >= 0) ascent_tiles::release_tiles();
   }
-  _tile_release();
+};
+
+// All rows of x for the column-block pair p: every 32-row block in turn, so the pair's weight tiles come from memory
+// (or are produced) once and later row blocks find them in L1/L2. The tile configuration changes only for a partial
+// last row block.
+template <typename Source>
+__attribute__((target("amx-tile,amx-bf16"))) void pair_rows(const Operands& o, const Source& source, int64_t m,
+                                                             int64_t p, PairTiles& tiles) {
+  const int64_t nblocks = o.n / 16, nb = 2 * p;
+  for (int64_t m0 = 0; m0 < m; m0 += 2 * kRowsPerTile) {
+    const int64_t rows = std::min<int64_t>(2 * kRowsPerTile, m - m0);
+    if (rows != tiles.configured) {
+      ascent_tiles::load_config(make_config(std::min(rows, kRowsPerTile), rows - std::min(rows, kRowsPerTile)));
+      tiles.configured = rows;
+    }
+    const int64_t rows0 = std::min(rows, kRowsPerTile);
+    column_blocks(o, source, m0, rows0, rows - rows0, nb, nb + 1 < nblocks ? 2 : 1, m0 == 0, tiles.scratch);
+  }
+}
+
+// The column-block pairs [pair_begin, pair_end), in order.
+template <typename Source>
+void pair_range(const Operands& o, const Source& source, int64_t m, int64_t pair_begin, int64_t pair_end) {
+  PairTiles tiles;
+  for (int64_t p = pair_begin; p < pair_end; ++p) pair_rows(o, source, m, p, tiles);
 }
 
 // 33 to 64 rows of x: one column block at a time, its weight tile applied to all (three or four) 16-row blocks of x
@@ -197,15 +215,20 @@ __attribute__((target("amx-tile,amx-bf16"))) void column_block64(const Operands&
   store_rows(o, scratch, 0, m, 16 * nb, 1);
 }
 
+// A thread's tiles configured for 33 to 64 rows of x and the epilogue's scratch; released when it goes.
+struct Block64Tiles {
+  alignas(64) float scratch[kRows64 * 32];
+  explicit Block64Tiles(int64_t m) { ascent_tiles::load_config(make_config64(m)); }
+  Block64Tiles(const Block64Tiles&) = delete;
+  Block64Tiles& operator=(const Block64Tiles&) = delete;
+  ~Block64Tiles() { ascent_tiles::release_tiles(); }
+};
+
 // Column blocks [nb_begin, nb_end) of 33 to 64 rows of x.
 template <typename Source>
-__attribute__((target("amx-tile,amx-bf16"))) void block_range64(const Operands& o, const Source& source, int64_t m,
-                                                                 int64_t nb_begin, int64_t nb_end) {
-  alignas(64) float scratch[kRows64 * 32];
-  const TileConfig cfg = make_config64(m);
-  _tile_loadconfig(&cfg);
-  for (int64_t nb = nb_begin; nb < nb_end; ++nb) column_block64(o, source, m, nb, scratch);
-  _tile_release();
+void block_range64(const Operands& o, const Source& source, int64_t m, int64_t nb_begin, int64_t nb_end) {
+  Block64Tiles tiles(m);
+  for (int64_t nb = nb_begin; nb < nb_end; ++nb) column_block64(o, source, m, nb, tiles.scratch);
 }
 
 // One row of x (M = 1) on the same packed weight, without tiles: a tile of one row wastes the unit. Row r of the VNNI
@@ -213,7 +236,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void block_range64(const Operands& 
 // broadcast adds it to the 16 output lanes; four accumulators per column block over the tile rows. A thread's column
 // blocks are one contiguous stretch of wp, cut into kGemvStreams equal parts read side by side (block i of every
 // part in one pass, each part a sequential stream with a T0 prefetch kGemvPrefetch bytes ahead per 64-byte line);
-// the blocks left over go one at a time. One stream per thread leaves the memory system idle between its
+// the blocks left over go one at a time (a thread done with its own then takes the rest of another's from the
+// back, parallel_blocks.h). One stream per thread leaves the memory system idle between its
 // prefetches, as on Zen 3 (gemv_avx2.h). Measured on a Xeon with AMX (SmolLM2's 120 decode linears + lm_head from
 // DRAM, 2 threads, alternated in one process, GB/s against the one-stream sweep with T0 2 KiB + T2 8 KiB
 // prefetches): 2 streams 1.065x, 3 1.12x, 4 1.10-1.15x, 6 1.09x, 8 0.91x; with 4 streams a T0 prefetch alone at
@@ -255,14 +279,21 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void gemv_column_blocks(c
     _mm512_store_ps(out[s], _mm512_add_ps(_mm512_add_ps(acc[s][0], acc[s][1]), _mm512_add_ps(acc[s][2], acc[s][3])));
 }
 
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void gemv_range(const Operands& o, int64_t nb_begin,
-                                                                        int64_t nb_end) {
-  alignas(64) float sums[kGemvStreams][16];
-  ascent_prefetch::side_by_side<kGemvStreams>(nb_begin, nb_end, [&](const auto& nbs) {
-    constexpr int S = std::extent_v<std::remove_reference_t<decltype(nbs)>>;
-    gemv_column_blocks<S>(o, nbs, sums);
-    for (int s = 0; s < S; ++s) store_rows(o, sums[s], 0, 1, 16 * nbs[s], 1);
-  });
+// One unit of parallel_blocks: the column blocks nbs[0..count) (count = kGemvStreams side by side, or 1).
+struct GemvSums {
+  alignas(64) float v[kGemvStreams][16];
+};
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void gemv_blocks(const Operands& o,
+                                                                         const int64_t (&nbs)[kGemvStreams],
+                                                                         int count, GemvSums& sums) {
+  if (count == kGemvStreams) {
+    gemv_column_blocks<kGemvStreams>(o, nbs, sums.v);
+  } else {
+    const int64_t one[1] = {nbs[0]};
+    gemv_column_blocks<1>(o, one, sums.v);
+  }
+  for (int s = 0; s < count; ++s) store_rows(o, sums.v[s], 0, 1, 16 * nbs[s], 1);
 }
 
 }  // namespace
@@ -310,7 +341,7 @@ torch::Tensor amx_pack(const torch::Tensor& w) {
   return tile_positions(w).contiguous();
 }
 
-// Whether one row of x takes gemv_range (AVX512-BF16 dot products; every AMX-BF16 CPU so far, checked anyway).
+// Whether one row of x takes gemv_blocks (AVX512-BF16 dot products; every AMX-BF16 CPU so far, checked anyway).
 bool one_row_dots() {
   static const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
   return bf16_dot;
@@ -342,13 +373,16 @@ torch::Tensor amx_linear(const torch::Tensor& x_in, const torch::Tensor& wp,
   const ascent_par::StreamHint loop = amx_stream(wp, m);  // the loop's indices and grain, as warm-ahead sees them
   const PackedTiles source{o};
   if (m == 1 && one_row_dots()) {
-    ascent_par::parallel_for(0, loop.n, loop.grain, [&](int64_t begin, int64_t end) { gemv_range(o, begin, end); });
+    ascent_par::parallel_blocks<kGemvStreams>(
+        0, loop.n, loop.grain, [] { return GemvSums{}; },
+        [&](GemvSums& sums, const int64_t (&nbs)[kGemvStreams], int count) { gemv_blocks(o, nbs, count, sums); });
   } else if (m > 32 && m <= kRows64) {
-    ascent_par::parallel_for(0, loop.n, loop.grain,
-                             [&](int64_t begin, int64_t end) { block_range64(o, source, m, begin, end); });
+    ascent_par::parallel_blocks<1>(
+        0, loop.n, loop.grain, [m] { return Block64Tiles(m); },
+        [&](Block64Tiles& tiles, const int64_t (&nb)[1], int) { column_block64(o, source, m, nb[0], tiles.scratch); });
   } else {
-    ascent_par::parallel_for(0, loop.n, loop.grain,
-                             [&](int64_t begin, int64_t end) { pair_range(o, source, m, begin, end); });
+    ascent_par::parallel_blocks<1>(0, loop.n, loop.grain, [] { return PairTiles(); },
+                                   [&](PairTiles& tiles, const int64_t (&p)[1], int) { pair_rows(o, source, m, p[0], tiles); });
   }
   return y.view(io.out_sizes);
 }
@@ -366,6 +400,34 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> amx_warm_plans(const
   return plans;
 }
 
+// What parallel_blocks<S> (S = 1 or kGemvStreams) does with the blocks [0, n), for tests of its balancing: per
+// block (times taken, torch thread number that took it, size of its unit). The thread of chunk 0 sleeps pause_us
+// before each of its units, so the others must take the rest of its chunk.
+std::vector<std::tuple<int64_t, int64_t, int64_t>> parallel_blocks_trace(int64_t n, int64_t grain, int64_t streams,
+                                                                          int64_t pause_us) {
+  TORCH_CHECK(n >= 0 && (streams == 1 || streams == kGemvStreams), "parallel_blocks_trace: bad n or streams");
+  std::vector<std::atomic<int64_t>> taken(n);
+  std::vector<int64_t> thread(n, -1), unit(n, 0);
+  const auto visit = [&](const int64_t* idx, int count) {
+    if (at::get_thread_num() == 0 && pause_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(pause_us));
+    for (int s = 0; s < count; ++s) {
+      taken[idx[s]].fetch_add(1);
+      thread[idx[s]] = at::get_thread_num();
+      unit[idx[s]] = count;
+    }
+  };
+  const auto no_state = [] { return 0; };
+  if (streams == 1) {
+    ascent_par::parallel_blocks<1>(0, n, grain, no_state, [&](int, const int64_t (&i)[1], int c) { visit(i, c); });
+  } else {
+    ascent_par::parallel_blocks<kGemvStreams>(0, n, grain, no_state,
+                                              [&](int, const int64_t (&i)[kGemvStreams], int c) { visit(i, c); });
+  }
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+  for (int64_t b = 0; b < n; ++b) out.emplace_back(taken[b].load(), thread[b], unit[b]);
+  return out;
+}
+
 #include "amx_wo_linear.h"
 
 }  // namespace ascent_amx
@@ -379,6 +441,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("wp"), py::arg("bias"), py::arg("float_out") = false);
   m.def("amx_warm_plans", &amx_warm_plans, "amx_warm_plans(wp, m, threads) -> per thread (first byte offset or -1, "
         "part bytes, parts, bytes warmed per part) of the decode stack's warm-ahead");
+  m.def("parallel_blocks_trace", &parallel_blocks_trace, "parallel_blocks_trace(n, grain, streams, pause_us) -> per "
+        "block (times taken, thread, unit size) of parallel_blocks, chunk 0's thread pausing before each unit");
   m.def("amx_w4_pack", &amx_w4_pack, "amx_w4_pack(q int8 [N, K], scale fp32 [N, G], zero fp32 [N, G] | None) -> "
         "(nib uint8 [N/16, K/32, 16, 16], coef fp32 [N/16, G, 2, 16])");
   m.def("amx_w8_pack", &amx_w8_pack, "amx_w8_pack(q int8 [N, K], scale fp32 [N, G], zero fp32 [N, G] | None) -> "

@@ -73,4 +73,13 @@ __attribute__((target("amx-tile"))) inline void zero_accumulators() {
   _tile_zero(7);
 }
 
+// LDTILECFG of cfg. The asm names all 64 bytes as its input: GCC's _tile_loadconfig names only the first 8, so
+// behind a call its inter-procedural analysis may drop the stores of the rest (seen: a config of zeros, then #UD).
+__attribute__((target("amx-tile"))) inline void load_config(const TileConfig& cfg) {
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+// Releases the tile state (TILERELEASE).
+__attribute__((target("amx-tile"))) inline void release_tiles() { _tile_release(); }
+
 }  // namespace ascent_tiles

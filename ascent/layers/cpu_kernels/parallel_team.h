@@ -34,6 +34,8 @@ class Team {
  public:
   explicit Team(int64_t threads) : threads_(threads) {}
 
+  int64_t threads() const { return threads_; }
+
   // Runs f(begin, end) over [begin, end) split as at::parallel_for would split it (see the contract above).
   template <class F>
   void run(int64_t begin, int64_t end, int64_t grain, const F& f) {
