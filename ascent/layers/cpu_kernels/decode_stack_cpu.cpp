@@ -172,12 +172,13 @@ struct LinearCall {
     }
   }
 
-  // The weight stream run(x of `rows` rows) reads, for the team's warm-ahead (warm_ahead.h): the AMX tiles' (kept
-  // from the first call on, like the kernels' operands); empty for the other kernels.
+  // The weight stream run(x of `rows` rows) reads, for the team's warm-ahead (warm_ahead.h): the AMX bf16 tiles' and
+  // the AMX-INT8 tiles' one-row stream (kept from the first call on, like the kernels' operands); empty otherwise.
   ascent_par::StreamHint stream_hint(int64_t rows) const {
-    if (kind != kDense || rows > ints[1]) return {};
+    const bool amx_int8 = kind == kW8A8DynamicAmx || kind == kW8A8StaticAmx;
+    if (!(kind == kDense && rows <= ints[1]) && !amx_int8) return {};
     if (amx_rows != rows) {
-      amx_stream = ascent_amx::amx_stream(tensors[3], rows);
+      amx_stream = amx_int8 ? ascent_quant::amx_i8_stream(tensors[0], rows) : ascent_amx::amx_stream(tensors[3], rows);
       amx_rows = rows;
     }
     return amx_stream;

@@ -154,8 +154,10 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
 // sign bit flipped) and a second VPDPBUSD of ones against the same row sums the weights, so acc - 128 * sum is the
 // int32 sum of x * w modulo 2^32, i.e. exactly the tiles' sum. A thread's column blocks are cut into kI8GemvStreams
 // equal parts read side by side with a T0 prefetch kI8GemvPrefetch bytes ahead per line (the bf16 one-row kernel's
-// scheme, amx_linear_cpu.cpp gemv_range), the blocks left over one at a time.
+// scheme, amx_linear_cpu.cpp gemv_blocks), the blocks left over one at a time, and a thread done with its own takes
+// the rest of the others' from the back (parallel_blocks.h).
 constexpr int kI8GemvStreams = 4;
+constexpr int64_t kI8GemvGrain = 8;  // column blocks per parallel chunk at least
 constexpr int64_t kI8GemvPrefetch = 2048;
 
 template <int S>
@@ -195,12 +197,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void i8_gem
   }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void i8_gemv_range(const AmxI8Operands& o,
-                                                                                        int64_t nb_begin,
-                                                                                        int64_t nb_end) {
-  ascent_prefetch::side_by_side<kI8GemvStreams>(nb_begin, nb_end, [&](const auto& nbs) {
-    i8_gemv_blocks<std::extent_v<std::remove_reference_t<decltype(nbs)>>>(o, nbs);
-  });
+// One unit of parallel_blocks: the column blocks nbs[0..count) (count = kI8GemvStreams side by side, or 1).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void i8_gemv_unit(
+    const AmxI8Operands& o, const int64_t (&nbs)[kI8GemvStreams], int count) {
+  if (count == kI8GemvStreams) return i8_gemv_blocks<kI8GemvStreams>(o, nbs);
+  const int64_t one[1] = {nbs[0]};
+  i8_gemv_blocks<1>(o, one);
 }
 
 // W8A16 (per channel, no zero point) on the same tiles: x as 16-bit fixed point (quant_wo_vnni.h) in two s8 rows,

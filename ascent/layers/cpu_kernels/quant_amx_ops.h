@@ -21,11 +21,19 @@ int64_t check_amx_pack(const at::Tensor& wp) {
   return wp.size(0) * 16;
 }
 
+// The weight stream amx_i8_run reads for one row of x, as its loop splits it (warm_ahead.h); empty for the tiles.
+ascent_par::StreamHint amx_i8_stream(const at::Tensor& wp, int64_t m) {
+  if (m != 1 || !use_vnni()) return {};
+  return {static_cast<const char*>(wp.data_ptr()), wp.size(0), kI8GemvGrain, wp.size(1) * 1024, kI8GemvStreams};
+}
+
 // The tiles over all column-block pairs, split over torch's threads; returns out.
 at::Tensor amx_i8_run(const AmxI8Operands& o, int64_t m, const at::Tensor& out) {
   const int64_t pairs = (o.n / 16 + 1) / 2;
-  if (m == 1 && use_vnni()) {  // one row: VNNI dot products on the tiles' layout (i8_gemv_range)
-    ascent_par::parallel_for(0, o.n / 16, 8, [&](int64_t begin, int64_t end) { i8_gemv_range(o, begin, end); });
+  if (m == 1 && use_vnni()) {  // one row: VNNI dot products on the tiles' layout (i8_gemv_unit)
+    ascent_par::parallel_blocks<kI8GemvStreams>(
+        0, o.n / 16, kI8GemvGrain, [] { return 0; },
+        [&](int, const int64_t (&nbs)[kI8GemvStreams], int count) { i8_gemv_unit(o, nbs, count); });
   } else if (m > 32 && m <= 64) {  // one pass over the weight (amx_i8_block64)
     ascent_par::parallel_for(0, o.n / 16, 8, [&](int64_t begin, int64_t end) { amx_i8_blocks64(o, m, begin, end); });
   } else if (m > 0) {

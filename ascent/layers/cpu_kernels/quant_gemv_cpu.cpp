@@ -28,6 +28,7 @@
 
 #include "amx_tiles.h"
 #include "out_rows.h"
+#include "parallel_blocks.h"
 #include "parallel_team.h"
 #include "stream_prefetch.h"
 
