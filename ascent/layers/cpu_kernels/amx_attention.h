@@ -328,7 +328,7 @@ ASCENT_AMX_ATTENTION void amx_attention_units(const DecodeAttentionCall& a,
   const int64_t group = a.num_heads / a.kv_heads;
   const AmxAttendFn attend = amx_attend_for(a.d);
   const ascent_tiles::TileConfig cfg = ascent_tiles::tile_config({16, 16, 16, 16, 16, 16, 16, 16});
-  _tile_loadconfig(&cfg);
+  ascent_tiles::load_config(cfg);
   thread_local AmxAttnScratch s;  // buffers kept per thread across calls (no allocation per layer)
   for (int64_t w = begin; w < stop; ++w) {
     const auto [r0, r1] = runs[w / a.kv_heads];

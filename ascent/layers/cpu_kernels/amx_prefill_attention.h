@@ -251,7 +251,7 @@ template <int D>
 ASCENT_AMX_ATTENTION void run_prefill_tasks(const PrefillAttnArgs& a, const PackedKV& pk, std::atomic<int64_t>& next,
                                             int64_t row_blocks) {
   const ascent_tiles::TileConfig cfg = ascent_tiles::tile_config({16, 16, 16, 16, 16, 16, 16, 16});
-  _tile_loadconfig(&cfg);
+  ascent_tiles::load_config(cfg);
   thread_local AmxPrefillScratch s;
   s.s.resize(static_cast<size_t>(kTileRows * kChunkKeys));
   s.p.resize(static_cast<size_t>(kChunkKeys / 32 * 512));

@@ -143,7 +143,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
   alignas(64) int32_t scratch[64 * 16];
   const int64_t last_rows = m - (m - 1) / 16 * 16;
   const ascent_tiles::TileConfig cfg = ascent_tiles::tile_config({16, 16, 16, last_rows, 16, 16, 16, last_rows});
-  _tile_loadconfig(&cfg);
+  ascent_tiles::load_config(cfg);
   for (int64_t nb = nb_begin; nb < nb_end; ++nb) amx_i8_block64(o, m, nb, m >= kTilePrefetchMinRows, scratch);
   _tile_release();
 }
@@ -292,7 +292,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
   alignas(64) int32_t scratch[64 * 16];
   const int64_t r1 = m - 16;
   const ascent_tiles::TileConfig cfg = ascent_tiles::tile_config({16, r1, 16, 16, 16, 16, r1, r1});
-  _tile_loadconfig(&cfg);
+  ascent_tiles::load_config(cfg);
   for (int64_t nb = nb_begin; nb < nb_end; ++nb) amx_fx_block32(f, m, nb, m >= kTilePrefetchMinRows, scratch);
   _tile_release();
 }
@@ -307,7 +307,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
       const int64_t rows = std::min<int64_t>(16, m - m0);
       if (rows != configured) {
         const ascent_tiles::TileConfig cfg = ascent_tiles::tile_config({rows, rows, 16, 16, rows, rows, rows, rows});
-        _tile_loadconfig(&cfg);
+        ascent_tiles::load_config(cfg);
         configured = rows;
       }
       amx_fx_blocks(f, m0, rows, 2 * p, 2 * p + 1 < nblocks ? 2 : 1, m >= kTilePrefetchMinRows, scratch);
@@ -328,7 +328,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
       if (rows != configured) {
         const int64_t r1 = rows - rows0;
         const ascent_tiles::TileConfig cfg = ascent_tiles::tile_config({rows0, r1, 16, 16, rows0, rows0, r1, r1});
-        _tile_loadconfig(&cfg);
+        ascent_tiles::load_config(cfg);
         configured = rows;
       }
       amx_i8_blocks(o, m0, rows0, rows - rows0, 2 * p, 2 * p + 1 < nblocks ? 2 : 1, m >= kTilePrefetchMinRows,
