@@ -232,5 +232,5 @@ def test_every_kernel_header_is_part_of_its_modules_build_hash():
             "stream_prefetch.h", "amx_prefill_attention.h", "parallel_team.h", "paged_attention_cpu.h",
             "out_rows.h", "warm_ahead.h"} <= stack_sources
     assert sorted(_included("gemv_cpu.cpp")) == ["bf16_round_avx2.h", "gemv_avx2.h", "gemv_panel_avx2.h",
-                                                 "out_rows.h", "parallel_team.h", "stream_prefetch.h",
-                                                 "warm_ahead.h"]
+                                                 "out_rows.h", "parallel_split.h", "parallel_team.h",
+                                                 "stream_prefetch.h", "warm_ahead.h"]

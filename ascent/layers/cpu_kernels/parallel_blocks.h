@@ -17,15 +17,25 @@
 #include <cstdint>
 #include <vector>
 
+#include "parallel_split.h"
 #include "parallel_team.h"
 
 namespace ascent_par {
 
-// One chunk's untaken units [front, back), as one word: the owner takes the front, others the back.
-struct alignas(64) UnitClaims {
+// Chunk c's blocks as units: unit u < part is block u of each of its S equal parts (S blocks side by side), the
+// units after them the leftover blocks one at a time; and its untaken units [front, back) as one word, which the
+// owner takes from the front and the other threads from the back.
+struct alignas(64) ChunkUnits {
   std::atomic<uint64_t> word{0};
+  int64_t begin = 0, len = 0, part = 0;
 
-  void reset(uint32_t units) { word.store(static_cast<uint64_t>(units) << 32, std::memory_order_relaxed); }
+  void reset(int64_t b, int64_t length, int streams) {
+    begin = b;
+    len = length;
+    part = length / streams;
+    const uint64_t units = static_cast<uint64_t>(part + (len - streams * part));
+    word.store(units << 32, std::memory_order_relaxed);
+  }
 
   // The next unit from the front (owner) or the back (thief), or -1 when none is left.
   int64_t take(bool from_front) {
@@ -37,14 +47,6 @@ struct alignas(64) UnitClaims {
       if (word.compare_exchange_weak(w, next, std::memory_order_relaxed)) return from_front ? front : back - 1;
     }
   }
-};
-
-// Chunk c's blocks as units: unit u < part is block u of each of its S equal parts (S blocks side by side), the
-// units after them the leftover blocks one at a time.
-struct ChunkUnits {
-  int64_t begin = 0, len = 0, part = 0;
-
-  int64_t units(int streams) const { return part + (len - streams * part); }
 
   // The blocks of unit u into idx; returns how many (S or 1).
   template <int S>
@@ -68,20 +70,17 @@ void parallel_blocks(int64_t begin, int64_t end, int64_t grain, const MakeState&
   if (n <= 0) return;
   const int64_t threads = current_team != nullptr ? current_team->threads() : at::get_num_threads();
   // (Inside a parallel region outside a team the loop below runs inline: the caller then drains every chunk.)
-  const bool one_chunk = n <= grain || n == 1 || threads <= 1;
-  const int64_t chunks = one_chunk ? 1 : std::min<int64_t>(threads, grain > 0 ? (n + grain - 1) / grain : threads);
-  const int64_t size = (n + chunks - 1) / chunks;
-  std::vector<ChunkUnits> parts;
-  std::vector<UnitClaims> claims(chunks);
+  const ChunkSplit split = split_chunks(n, grain, threads);
+  const int64_t chunks = split.chunks;
+  std::vector<ChunkUnits> units(chunks);
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t b = begin + c * size, len = std::max<int64_t>(0, std::min(end, b + size) - b);
-    parts.push_back({b, len, len / S});
-    claims[c].reset(static_cast<uint32_t>(parts[c].units(S)));
+    const int64_t b = begin + c * split.size;
+    units[c].reset(b, std::max<int64_t>(0, std::min(end, b + split.size) - b), S);
   }
   const auto drain = [&](auto& state, int64_t c, bool own) {
     int64_t idx[S];
-    for (int64_t u; (u = claims[c].take(own)) >= 0;) {
-      const int count = parts[c].template blocks<S>(u, idx);
+    for (int64_t u; (u = units[c].take(own)) >= 0;) {
+      const int count = units[c].template blocks<S>(u, idx);
       f(state, static_cast<const int64_t(&)[S]>(idx), count);
     }
   };

@@ -26,6 +26,7 @@
 #include <thread>
 #include <utility>
 
+#include "parallel_split.h"
 #include "warm_ahead.h"
 
 namespace ascent_par {
@@ -41,14 +42,14 @@ class Team {
   void run(int64_t begin, int64_t end, int64_t grain, const F& f) {
     const int64_t n = end - begin;
     if (n <= 0) return;
-    if (in_chunk_ || n <= grain || n == 1 || threads_ == 1) return f(begin, end);
-    const int64_t chunks = std::min<int64_t>(threads_, grain > 0 ? (n + grain - 1) / grain : threads_);
+    const ChunkSplit split = split_chunks(n, grain, threads_);
+    if (in_chunk_ || split.chunks == 1) return f(begin, end);
     fn_ = [](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); };
     ctx_ = &f;
     begin_ = begin;
     end_ = end;
-    size_ = (n + chunks - 1) / chunks;
-    chunks_ = chunks;
+    size_ = split.size;
+    chunks_ = split.chunks;
     loop_hint_ = next_;
     pending_.store(threads_ - 1, std::memory_order_relaxed);  // every server checks in, with a chunk or without
     generation_.fetch_add(1, std::memory_order_release);

@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "parallel_split.h"
+
 namespace ascent_par {
 
 // The weight bytes a later parallel loop reads, by thread: indices [0, n) (column blocks, rows, ...) of `bytes`
@@ -44,12 +46,8 @@ constexpr int64_t kWarmBudget = 512 * 1024;
 inline WarmPlan warm_plan(const StreamHint& hint, int64_t tid, int64_t threads) {
   WarmPlan plan;
   if (hint.base == nullptr || hint.n <= 0 || hint.bytes <= 0 || hint.streams < 1) return plan;
-  // parallel_team.h's split: inline (all on the caller) when n <= grain or one thread, else `chunks` chunks.
-  const bool inline_loop = hint.n <= hint.grain || hint.n == 1 || threads <= 1;
-  const int64_t chunks =
-      inline_loop ? 1 : std::min<int64_t>(threads, hint.grain > 0 ? (hint.n + hint.grain - 1) / hint.grain : threads);
-  const int64_t size = (hint.n + chunks - 1) / chunks;
-  const int64_t begin = tid * size, end = std::min(hint.n, begin + size);
+  const ChunkSplit split = split_chunks(hint.n, hint.grain, threads);
+  const int64_t begin = tid * split.size, end = std::min(hint.n, begin + split.size);
   if (begin >= end) return plan;
   const int64_t part = (end - begin) / hint.streams;  // side_by_side's parts; none when the range is shorter
   plan.parts = part > 0 ? hint.streams : 1;
